@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make train` and `make test`.
+# Both create .venv (once, and again whenever pyproject.toml changes) before they run.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: train test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and by exact version: on a CPU-only box with a local wheel this takes seconds.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)  ## train the default tiny model on the embedded corpus (extra overrides: make train ARGS="...")
+	$(BIN)/parallama-train $(ARGS)
+
+test: $(STAMP)  ## the whole CPU test suite (multi-process cases included)
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench: $(STAMP)  ## CPU benchmarks (see docs/benchmarks.md)
+	$(BIN)/python -m bench $(ARGS)
+
+clean:
+	rm -rf logs data/cache .pytest_cache

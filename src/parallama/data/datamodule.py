@@ -1,0 +1,214 @@
+"""LightningDataModule: documents -> tokenizer -> cached token memmaps -> batches.
+
+Cache layout under `cache_dir` (all writes atomic, since several ranks or nodes may
+build the same entry at once; identical inputs give identical files):
+
+    tokenizer-<hash>.json    trained BPE tokenizers (hash: source + tokenizer config)
+    <hash>/                  one tokenized corpus (hash: source + tokenizer config
+        train.bin, val.bin     + val_fraction + seed); flat token ids, uint16/uint32
+        train.idx.npy, ...     int64 document start offsets plus the final end
+        meta.json              n_docs, n_tokens per split, dtype, vocab_size
+        tokenizer.json         the tokenizer that produced the ids
+
+Cache keys cover the config, not file contents: delete the entry if the data changes.
+`seq_len`, `packing` and batch settings only affect loading, so they share an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from functools import cached_property
+
+import numpy as np
+import torch
+from lightning import LightningDataModule
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
+from parallama.data.tokenizer import SpecialIds, special_ids
+
+SPLITS = ("train", "val")
+
+
+def _spec(fn: Callable) -> str:
+    """Stable description of a (partial) callable; `repr(partial)` holds an address."""
+    func = getattr(fn, "func", fn)
+    args, kwargs = getattr(fn, "args", ()), getattr(fn, "keywords", {})
+    return f"{func.__module__}.{func.__qualname__}{tuple(args)!r}{sorted(kwargs.items())!r}"
+
+
+def _hash(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _open_tokens(path: str, dtype: str) -> np.ndarray:
+    # np.memmap refuses empty files (e.g. val.bin when val_fraction is 0)
+    return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+
+
+class TextDataModule(LightningDataModule):
+    """Pretraining data. `batch_size` is per process: global batch = batch_size x world size.
+
+    `source` and `tokenizer` are callables (Hydra `_partial_: true`); a tokenizer that
+    takes `texts` (e.g. `train_bpe`) is trained on all source documents.
+    """
+
+    def __init__(
+        self,
+        source: Callable[[], Iterable[str]],
+        tokenizer: Callable[..., Tokenizer],
+        seq_len: int = 256,
+        batch_size: int = 16,
+        packing: bool = True,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        cache_dir: str = "data/cache",
+        seed: int = 42,
+        tokenize_batch_size: int = 1000,
+    ):
+        super().__init__()
+        if seq_len < 1:
+            raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+        self.source, self.tokenizer_fn = source, tokenizer
+        self.seq_len, self.batch_size, self.packing = seq_len, batch_size, packing
+        self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
+        self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
+        self._trains = "texts" in inspect.signature(tokenizer).parameters
+        self.data_dir = os.path.join(cache_dir, _hash(_spec(source), _spec(tokenizer), val_fraction, seed))
+        self.datasets: dict[str, Dataset] = {}
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        if not self._trains:
+            return self.tokenizer_fn()
+        path = os.path.join(
+            self.cache_dir, f"tokenizer-{_hash(_spec(self.source), _spec(self.tokenizer_fn))}.json"
+        )
+        if os.path.exists(path):
+            return Tokenizer.from_file(path)
+        tok = self.tokenizer_fn(texts=self.source())
+        os.makedirs(self.cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tokenizer-")
+        os.close(fd)
+        tok.save(tmp)
+        os.replace(tmp, path)
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def special_ids(self) -> SpecialIds:
+        return special_ids(self.tokenizer)
+
+    def prepare_data(self) -> None:
+        """Tokenize every document to [BOT] + ids + [EOT] and split by document."""
+        if os.path.isdir(self.data_dir):
+            return
+        os.makedirs(self.cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=self.cache_dir, prefix=f".{os.path.basename(self.data_dir)}-")
+        try:
+            self._build(tmp)
+            os.rename(tmp, self.data_dir)
+        except OSError:
+            if not os.path.isdir(self.data_dir):  # not a lost race with another builder
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _build(self, out: str) -> None:
+        tok, ids = self.tokenizer, self.special_ids
+        dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
+        lengths, all_path = [], os.path.join(out, "all.bin")
+        with open(all_path, "wb") as f:
+            docs = iter(self.source())
+            while batch := list(itertools.islice(docs, self.tokenize_batch_size)):
+                encoded = [
+                    [ids.bot, *e.ids, ids.eot] for e in tok.encode_batch(batch, add_special_tokens=False)
+                ]
+                f.write(np.fromiter(itertools.chain.from_iterable(encoded), dtype).tobytes())
+                lengths += map(len, encoded)
+        n_docs = len(lengths)
+        if n_docs == 0:
+            raise ValueError("data.source yielded no documents")
+        n_val = max(1, round(self.val_fraction * n_docs)) if self.val_fraction > 0 and n_docs >= 2 else 0
+        n_val = min(n_val, n_docs - 1)
+        perm = np.random.default_rng(self.seed).permutation(n_docs)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = _open_tokens(all_path, dtype.name)
+        meta = {"n_docs": {}, "n_tokens": {}, "dtype": dtype.name, "vocab_size": tok.get_vocab_size()}
+        for split, docs_idx in (("train", perm[n_val:]), ("val", perm[:n_val])):
+            docs_idx = np.sort(docs_idx)  # keep source order within a split
+            with open(os.path.join(out, f"{split}.bin"), "wb") as f:
+                for d in docs_idx:
+                    f.write(tokens[offsets[d] : offsets[d + 1]].tobytes())
+            split_offsets = np.concatenate([[0], np.cumsum(offsets[docs_idx + 1] - offsets[docs_idx])])
+            np.save(os.path.join(out, f"{split}.idx.npy"), split_offsets.astype(np.int64))
+            meta["n_docs"][split], meta["n_tokens"][split] = len(docs_idx), int(split_offsets[-1])
+        del tokens
+        os.remove(all_path)
+        tok.save(os.path.join(out, "tokenizer.json"))
+        with open(os.path.join(out, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the cached splits; builds the cache when used outside a Trainer."""
+        if self.datasets:
+            return
+        if not os.path.isdir(self.data_dir):
+            self.prepare_data()
+        with open(os.path.join(self.data_dir, "meta.json")) as f:
+            meta = json.load(f)
+        for split in SPLITS:
+            path = os.path.join(self.data_dir, split)
+            tokens = _open_tokens(f"{path}.bin", meta["dtype"])
+            if self.packing:
+                self.datasets[split] = PackedDataset(tokens, self.seq_len)
+            else:
+                offsets = np.load(f"{path}.idx.npy")
+                self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)
+        if len(self.datasets["train"]) == 0:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} yields no train sample from {meta['n_tokens']['train']} train tokens"
+            )
+
+    def _world(self) -> tuple[int, int]:
+        return (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+
+    def _loader(self, split: str, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+            drop_last=drop_last,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self._world()
+        sampler = ResumableDistributedSampler(
+            self.datasets["train"], world, rank, shuffle=True, seed=self.seed
+        )
+        return self._loader("train", sampler, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Sequential shards per rank; DistributedSampler pads the last one with repeats,
+        so with several ranks a few val samples may count twice."""
+        world, rank = self._world()
+        sampler = DistributedSampler(self.datasets["val"], world, rank, shuffle=False, drop_last=False)
+        return self._loader("val", sampler, drop_last=False)

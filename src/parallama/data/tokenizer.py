@@ -1,0 +1,108 @@
+"""Tokenizer factories (Hydra `_target_`s).
+
+Every factory returns a `tokenizers.Tokenizer`, so any kind saves to one Hugging Face
+`tokenizer.json` and reloads with `from_pretrained`. Every returned tokenizer can
+mark document boundaries and padding: see `special_ids`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOT = "[BOT]"  # begin of text: first token of every document
+EOT = "[EOT]"  # end of text: last token of every document
+PAD = "[PAD]"  # fills per-document samples up to seq_len
+UNK = "[UNK]"  # kept for parity with the source article; byte-level never emits it
+SPECIALS = [BOT, EOT, PAD, UNK]
+
+# Role -> tokens that fill it, ours first. Pretrained tokenizers keep their own
+# bos/eos so that their vocabulary (and any pretrained embedding) is unchanged.
+_ALIASES = {
+    "bot": (BOT, "<|begin_of_text|>", "<s>", "<|endoftext|>"),
+    "eot": (EOT, "<|end_of_text|>", "</s>", "<|endoftext|>"),
+    "pad": (PAD, "<pad>", "<|pad|>"),
+}
+_OURS = {"bot": BOT, "eot": EOT, "pad": PAD}
+_HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # "gpt2", "meta-llama/Llama-3.2-1B"
+
+
+class SpecialIds(NamedTuple):
+    bot: int
+    eot: int
+    pad: int
+
+
+def _byte_level_pipeline(tok: Tokenizer) -> Tokenizer:
+    """GPT-2 style bytes <-> printable chars mapping: every UTF-8 string round-trips."""
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def byte_level() -> Tokenizer:
+    """Untrained byte tokenizer: ids 0..255 are the ByteLevel alphabet sorted by code
+    point, which is GPT-2's byte order; then BOT, EOT, PAD, UNK = 256..259."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.add_special_tokens(SPECIALS)
+    return _byte_level_pipeline(tok)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """Byte-level BPE as in the source article: specials get ids 0..3, then the 256
+    byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus."""
+    if vocab_size < len(SPECIALS) + 256:
+        raise ValueError(
+            f"tokenizer.vocab_size={vocab_size} must be >= {len(SPECIALS) + 256} (specials + 256 bytes)"
+        )
+    tok = _byte_level_pipeline(Tokenizer(models.BPE(unk_token=UNK)))
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def from_pretrained(name_or_path: str) -> Tokenizer:
+    """Load a `tokenizer.json` file, a folder holding one, or a Hub repo id ("org/name";
+    a missing relative path of that shape is tried on the Hub, which then reports it).
+
+    Roles the tokenizer has no token for (see `_ALIASES`) get our BOT/EOT/PAD added as
+    new special tokens, which grows the vocabulary by at most 3.
+    """
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(path):
+        tok = Tokenizer.from_file(path)
+    elif os.path.exists(path) or path.endswith(".json") or not _HUB_ID.fullmatch(name_or_path):
+        raise FileNotFoundError(f"tokenizer.name_or_path: no tokenizer file at {path!r}")
+    else:
+        tok = Tokenizer.from_pretrained(name_or_path)
+    missing = [_OURS[role] for role in _ALIASES if _find(tok, role) is None]
+    tok.add_special_tokens(missing)
+    return tok
+
+
+def _find(tok: Tokenizer, role: str) -> int | None:
+    return next((i for t in _ALIASES[role] if (i := tok.token_to_id(t)) is not None), None)
+
+
+def special_ids(tok: Tokenizer) -> SpecialIds:
+    """Ids of the document-begin, document-end and padding tokens of `tok`."""
+    ids = {role: _find(tok, role) for role in _ALIASES}
+    if None in ids.values():
+        missing = [role for role, i in ids.items() if i is None]
+        raise ValueError(
+            f"tokenizer has no token for {missing}; build it with parallama.data.tokenizer factories"
+        )
+    return SpecialIds(**ids)

@@ -1,0 +1,5 @@
+"""One exception type for bad input, so the CLIs can print it as one line instead of a traceback."""
+
+
+class ConfigError(ValueError):
+    """Bad user input (a config key, a file, a checkpoint). The message names it and says what is valid."""

@@ -1,0 +1,331 @@
+"""A Llama-style decoder in one file: config, modules, KV cache and sampling.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that checkpoints map 1:1 (HF keys
+are ours with a ``model.`` prefix, except ``lm_head``). Parallelism (FSDP, compile, activation
+checkpointing) is applied from outside, per ``DecoderLayer``; nothing here knows about it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class LlamaConfig:
+    """Model hyperparameters, with Hugging Face ``LlamaConfig`` field names."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None -> num_attention_heads (MHA); 1 -> MQA
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only HF's {"rope_type": "llama3", ...}
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        """Fail at config time, naming the Hydra key to fix, not deep inside a forward pass."""
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for f in fields(self):  # annotations are strings here (from __future__ import annotations)
+            value = getattr(self, f.name)
+            if f.type.startswith("int") and not (type(value) is int and value > 0):
+                raise ValueError(f"model.{f.name}={value!r} must be a positive int")
+            if f.type == "float" and not value > 0:
+                raise ValueError(f"model.{f.name}={value!r} must be > 0")
+        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if h % nh:
+            raise ValueError(f"model.num_attention_heads={nh} must divide model.hidden_size={h}")
+        if nh % nkv:
+            raise ValueError(f"model.num_key_value_heads={nkv} must divide model.num_attention_heads={nh}")
+        if (hd := self.head_dim) % 2:
+            raise ValueError(f"model.hidden_size/model.num_attention_heads={hd} must be even (rope)")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type != "llama3":
+                raise ValueError(f"model.rope_scaling.rope_type={rope_type!r} must be 'llama3' or unset")
+            if missing := [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]:
+                raise ValueError(f"model.rope_scaling is missing {missing}; llama3 needs {LLAMA3_ROPE_KEYS}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf_dict(self) -> dict:
+        """Fields for a HF ``config.json``; callers add bos/eos token ids."""
+        d = {k: v for k, v in asdict(self).items() if v is not None}  # rope_scaling=None: default rope
+        hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
+        return {**hf, "attention_bias": False, "mlp_bias": False, "head_dim": self.head_dim, **d}
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> LlamaConfig:
+        """Build from a HF ``config.json`` dict, ignoring keys this model does not use."""
+        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        if rope := d.get("rope_parameters"):  # transformers>=5 nests theta and scaling here
+            kwargs.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
+            if rope.get("rope_type", "default") != "default":
+                kwargs.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        return cls(**kwargs)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Exact parameter count. ``non_embedding`` drops the token-embedding table but keeps
+        ``lm_head`` (its matmul costs FLOPs); a tied table is counted once, as ``lm_head``."""
+        d, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        layer = 2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size + 2 * d
+        n_tables = 1 if self.tie_word_embeddings or non_embedding else 2
+        return self.num_hidden_layers * layer + d + n_tables * self.vocab_size * d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training (forward + backward) FLOPs per token as PaLM / torchtitan count them: 6 per
+        non-embedding parameter plus attention over ``seq_len`` keys, causal masking not discounted."""
+        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        return float(6 * self.num_params(non_embedding=True) + attn)
+
+
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
+    """Rotary inverse frequencies (float32, CPU), bit-identical to HF's default and llama3 rope."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    # HF's _compute_llama3_parameters: keep high frequencies, divide low ones by `factor`,
+    # interpolate smoothly in between.
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, shared by all layers. Non-persistent buffers: they
+    derive from the config, so checkpoints stay HF-compatible and meta-device init works."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        shape = (config.max_position_embeddings, config.head_dim)
+        self.register_buffer("cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Computed on CPU in float32 (as HF does), then copied to wherever the buffers live."""
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(self.config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half convention, so HF checkpoints load without permuting q/k weights."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys/values of one layer, (B, n_kv_heads, max_len, head_dim), indexed by
+    absolute position so that prefill and single-token decode are the same code path."""
+
+    def __init__(self, shape: tuple[int, int, int, int], device=None, dtype=None):
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
+        """``attn_mask=None`` means plain causal attention (SDPA's fast path)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(input_pos, k, v)
+        # enable_gqa: SDPA shares each K/V head among its query heads without materializing copies.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=attn_mask is None, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. Tensors (or None) in, tensor out, so that FSDP, torch.compile and
+    activation checkpointing can each wrap one layer."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def padding_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 1/0 padding mask -> (B, 1, T, T) bool mask "causal and key is real". The diagonal is
+    always allowed: a fully masked row (left padding) makes SDPA return NaN, poisoning the backward."""
+    T, device = attention_mask.shape[-1], attention_mask.device
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() & attention_mask.bool()[:, None, None]
+    return mask | torch.eye(T, dtype=torch.bool, device=device)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if not self.embed_tokens.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize all weights and the rope buffers: FSDP2 builds the model on the meta
+        device, then calls ``to_empty()`` and this. Weights are N(0, initializer_range), but the
+        projections into the residual stream (o_proj, down_proj) divide the std by
+        sqrt(2 * num_hidden_layers), as GPT-2 does, so residual variance does not grow with depth."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # to_empty() unties plain tensors
+        self.rotary_emb.init_buffers()
+        std = self.config.initializer_range
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> list[KVCache]:
+        """One empty cache per layer, on the model's device and in its dtype by default."""
+        c, w = self.config, self.embed_tokens.weight
+        shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
+        return [KVCache(shape, device or w.device, dtype or w.dtype) for _ in self.layers]
+
+    def forward(self, input_ids, attention_mask=None, *, input_pos=None, kv_cache=None) -> Tensor:
+        """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T).
+
+        - No mask: causal attention over the whole row (packed batches, fastest path).
+        - ``attention_mask`` (B, T), 1 = token, 0 = padding: positions are still 0..T-1, so
+          padding is assumed to be on the right (the usual training layout).
+        - ``kv_cache`` (from ``new_kv_cache``) needs ``input_pos``, the 1D positions of the given
+          tokens: their keys/values go to those cache slots and a query at position p attends to
+          slots <= p. This serves a multi-token prefill as well as single-token decode steps.
+        """
+        T, device = input_ids.shape[1], input_ids.device
+        if kv_cache is not None:
+            if input_pos is None or attention_mask is not None:
+                raise ValueError("kv_cache needs input_pos and does not support attention_mask")
+            slots = torch.arange(kv_cache[0].k.shape[2], device=device)
+            mask = slots <= input_pos[:, None]  # (T, max_len), broadcast over batch and heads
+        elif T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} > model.max_position_embeddings")
+        else:
+            mask = None if attention_mask is None else padding_mask(attention_mask)
+        rope = self.rotary_emb
+        rows = slice(0, T) if input_pos is None else input_pos
+        h = self.embed_tokens(input_ids)
+        # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.
+        cos, sin = rope.cos[rows].to(h.dtype), rope.sin[rows].to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
+        return self.lm_head(self.norm(h))
+
+
+def sample(logits: Tensor, temperature=1.0, top_k=None, top_p=None, generator=None) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the mass before it reaches top_p; the top token always stays.
+        sorted_logits = sorted_logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model, input_ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_id=None, generator=None
+) -> Tensor:
+    """Prompt + continuation, a LongTensor (B, T + n), n <= max_new_tokens. Prompts must have equal
+    length (no padding). A row that emitted ``eos_id`` repeats it; all rows done -> stop early."""
+    B, T = input_ids.shape
+    limit = model.config.max_position_embeddings
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not 0 <= max_new_tokens <= limit - T:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be in [0, {limit} - prompt length {T}]")
+    device = input_ids.device
+    cache = model.new_kv_cache(B, T + max_new_tokens, device=device)
+    logits = model(input_ids, input_pos=torch.arange(T, device=device), kv_cache=cache)[:, -1]
+    out, done = [input_ids], torch.zeros(B, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, top_p, generator)
+        if eos_id is not None:
+            token = token.masked_fill(done, eos_id)
+            done |= token == eos_id
+        out.append(token[:, None])
+        if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+            break
+        logits = model(token[:, None], input_pos=torch.tensor([T + i], device=device), kv_cache=cache)[:, -1]
+    return torch.cat(out, dim=1)

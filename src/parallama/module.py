@@ -1,0 +1,138 @@
+"""The LightningModule: loss, optimizer, learning-rate schedule and metrics around the plain model in model.py."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from functools import partial
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from parallama.errors import ConfigError
+from parallama.model import Llama, LlamaConfig
+from parallama.parallelize import parallelize
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, start_factor: float, min_ratio: float) -> float:
+    """LR multiplier: linear from start_factor to 1 over warmup_steps, then cosine down to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return start_factor + (1.0 - start_factor) * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LlamaLM(L.LightningModule):
+    """Causal language modelling on a `Llama`. Arguments are plain dicts so checkpoints rebuild the module."""
+
+    def __init__(
+        self,
+        model: dict,
+        optimizer: dict,
+        scheduler: dict,
+        compile: bool = False,
+        activation_checkpointing: bool = False,
+        init_from: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = LlamaConfig(**model)
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+        self.tokens_seen = 0  # global count, restored on resume
+
+    def configure_model(self) -> None:
+        """Build (and shard) the model here so that strategies can wrap it as it is created."""
+        if self.model is not None:
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        meta_init = getattr(strategy, "meta_init", False)
+        with torch.device("meta") if meta_init else nullcontext():
+            model = Llama(self.config)
+        if self.hparams.init_from and not meta_init:
+            from parallama.hf import load_hf_weights
+
+            load_hf_weights(model, self.hparams.init_from)
+        model = parallelize(
+            model,
+            strategy,
+            compile=self.hparams.compile,
+            activation_checkpointing=self.hparams.activation_checkpointing,
+        )
+        if meta_init:
+            model.to_empty(device=strategy.root_device)
+            model.init_weights()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, attention_mask)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"))
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"train/loss is {loss.item()} at step {self.global_step}: lower optimizer.lr, raise "
+                "scheduler.warmup_steps, or resume from the last good checkpoint"
+            )
+        self.tokens_seen += batch["input_ids"].numel() * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens_seen", float(self.tokens_seen))
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_loss.update(loss, weight=(batch["labels"] != -100).sum())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # synced across ranks by torchmetrics
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)  # identical on every rank
+        self.log("val/ppl", torch.exp(loss))
+
+    def configure_optimizers(self):
+        opt = dict(self.hparams.optimizer)
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": opt["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        kwargs = {"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"]}
+        if getattr(self.trainer.strategy, "offload_optimizer", False):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
+
+            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        else:
+            fused = opt.get("fused")
+            if fused is None:
+                fused = self.device.type == "cuda"
+            optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+
+        sched = self.hparams.scheduler
+        total = int(self.trainer.estimated_stepping_batches)
+        if sched["warmup_steps"] >= total:
+            raise ConfigError(
+                f"scheduler.warmup_steps={sched['warmup_steps']} is not below the run's {total} optimizer steps; "
+                "lower it or train longer (trainer.max_steps)"
+            )
+        lr_lambda = partial(
+            warmup_cosine,
+            warmup_steps=sched["warmup_steps"],
+            total_steps=total,
+            start_factor=sched["warmup_start_factor"],
+            min_ratio=sched["min_lr_ratio"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)

@@ -1,0 +1,116 @@
+"""Strategies behind the Hydra `strategy` group (conf/strategy/*.yaml), where Lightning's own do not suffice.
+
+- `ddp`, `ddp_spawn`: Lightning's `DDPStrategy` as is.
+- `ddp_sharded`: Lightning 2.x dropped FairScale's strategy of that name; the same idea today is DDP plus
+  PyTorch's `ZeroRedundancyOptimizer` (ZeRO-1: each rank keeps 1/world of the optimizer state).
+- `deepspeed`: Lightning's `DeepSpeedStrategy`, allowed to run on CPU (DeepSpeed has a CPU accelerator;
+  Lightning refuses anything but CUDA). GPU runs take Lightning's path unchanged.
+- `fsdp`: FSDP2 (`fully_shard` per decoder block) through Lightning's `ModelParallelStrategy`, which runs
+  on CPU (gloo) and GPU (NCCL). The sharding itself is applied in parallelize.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def lightning_builtin(name: str = "auto") -> str:
+    """A strategy Lightning knows by name (`auto`: one device, or DDP when several are given)."""
+    return name
+
+
+class ShardedDDPStrategy(DDPStrategy):
+    """DDP whose optimizer state is sharded across ranks (ZeRO stage 1)."""
+
+    strategy_name = "ddp_sharded"
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        sharded = []
+        for optimizer in self.optimizers:
+            groups = [dict(group) for group in optimizer.param_groups]
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+            for config in self.lr_scheduler_configs:
+                if config.scheduler.optimizer is optimizer:
+                    config.scheduler.optimizer = zero
+            sharded.append(zero)
+        self.optimizers = sharded
+
+
+class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy, minus its CUDA-only guard when the accelerator is the CPU.
+
+    On CPU, DeepSpeed communicates over gloo and needs `device_rank` to be the local rank (Lightning
+    passes the CUDA device index, which a CPU device does not have). Everything else is Lightning's.
+    """
+
+    strategy_name = "deepspeed"
+
+    def setup_environment(self) -> None:
+        if self.accelerator is not None and self.root_device.type == "cpu":
+            super(DeepSpeedStrategy, self).setup_environment()
+        else:
+            super().setup_environment()
+
+    @property
+    def offload_optimizer(self) -> bool:
+        self._init_config_if_needed()
+        return "offload_optimizer" in self.config.get("zero_optimization", {})
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        if self.root_device.type != "cpu":
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over all ranks (pure data parallel, no tensor parallel); options read by parallelize.py.
+
+    reshard_after_forward: True frees gathered parameters after each block's forward (ZeRO-3),
+        False keeps them until backward (ZeRO-2: more memory, less communication).
+    mixed_precision: None (parameters compute in their own dtype), "bf16" or "fp16": compute in that
+        dtype, reduce gradients in fp32, keep fp32 master weights.
+    cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+    meta_init: build the model on the meta device and initialize only each rank's shard (needed when a
+        full fp32 copy does not fit in host memory). False draws the full model on every rank first, so
+        the initial weights equal those of every other strategy for the same seed.
+    """
+
+    strategy_name = "fsdp"
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        mixed_precision: Literal["bf16", "fp16"] | None = None,
+        cpu_offload: bool = False,
+        meta_init: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        if mixed_precision not in (None, "bf16", "fp16"):
+            from parallama.errors import ConfigError
+
+            raise ConfigError(f"strategy.mixed_precision={mixed_precision!r} is not one of null, bf16, fp16")
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload
+        self.meta_init = meta_init
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()

@@ -1,0 +1,341 @@
+"""Data pipeline tests: tokenizers, sources, caching, packing/padding, sampling."""
+
+import json
+import os
+import pickle
+from functools import partial
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from parallama.data import (
+    BOT,
+    EOT,
+    PAD,
+    PackedDataset,
+    PaddedDataset,
+    ResumableDistributedSampler,
+    TextDataModule,
+    byte_level,
+    embedded,
+    files,
+    from_pretrained,
+    hub,
+    special_ids,
+    train_bpe,
+)
+
+TRICKY = [
+    "",
+    "hello world",
+    "  leading spaces and trailing  ",
+    "\n\nnewlines\r\n\ttabs\n",
+    "héllo wörld — ünïcödé",
+    "emoji 😀👍🏽 and 日本語 and עברית",
+    "zero\u200bwidth and \x00 nul",
+    "literal [bot] brackets",
+]
+
+
+def _one_line_error(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+@pytest.fixture(scope="module")
+def prose():
+    return list(embedded(max_documents=12))
+
+
+@pytest.fixture(scope="module")
+def bpe(prose):
+    return train_bpe(prose, vocab_size=400)
+
+
+# --- tokenizers -------------------------------------------------------------
+
+
+def test_byte_level_round_trip_and_specials():
+    tok = byte_level()
+    assert tok.get_vocab_size() == 260
+    for text in TRICKY:
+        ids = tok.encode(text).ids
+        assert max(ids, default=0) < 256
+        assert tok.decode(ids) == text
+    ids = special_ids(tok)
+    assert ids == (256, 257, 258)
+    assert tok.encode(f"{BOT}hi{EOT}{PAD}").ids == [ids.bot, *tok.encode("hi").ids, ids.eot, ids.pad]
+    assert tok.decode([ids.bot, *tok.encode("hi").ids, ids.eot], skip_special_tokens=False) == f"{BOT}hi{EOT}"
+    assert tok.decode([ids.bot, *tok.encode("hi").ids, ids.eot]) == "hi"
+
+
+def test_train_bpe_round_trip_size_and_determinism(prose, bpe):
+    assert bpe.get_vocab_size() == 400
+    assert special_ids(bpe) == (0, 1, 2)
+    for text in TRICKY + prose[:3]:
+        assert bpe.decode(bpe.encode(text).ids) == text
+    assert len(bpe.encode(prose[0]).ids) < len(prose[0].encode())  # merges compress
+    assert train_bpe(prose, vocab_size=400).to_str() == bpe.to_str()
+    with pytest.raises(ValueError) as e:
+        train_bpe(prose, vocab_size=100)
+    _one_line_error(e, "tokenizer.vocab_size")
+
+
+def test_from_pretrained_file_folder_and_missing(tmp_path, bpe):
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    for where in (tmp_path / "tokenizer.json", tmp_path):
+        tok = from_pretrained(str(where))
+        assert tok.to_str() == bpe.to_str()
+    for missing in (tmp_path / "nope.json", tmp_path / "nope" / "dir", "./nothing-here"):
+        with pytest.raises(FileNotFoundError) as e:
+            from_pretrained(str(missing))
+        _one_line_error(e, str(missing).lstrip("./"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        from_pretrained(str(tmp_path / "empty"))
+    _one_line_error(e, str(tmp_path / "empty"))
+
+
+def test_from_pretrained_maps_existing_bos_eos_and_adds_pad(tmp_path):
+    tok = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[])
+    )
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = from_pretrained(str(tmp_path / "tokenizer.json"))
+    assert loaded.get_vocab_size() == 259
+    assert special_ids(loaded) == (256, 257, 258)
+    assert loaded.token_to_id(PAD) == 258 and loaded.token_to_id(BOT) is None
+
+
+# --- sources ----------------------------------------------------------------
+
+
+def test_embedded_corpora():
+    docs = list(embedded())
+    assert len(docs) == 79 and all(isinstance(d, str) and d for d in docs)
+    assert docs == list(embedded())
+    assert list(embedded(max_documents=5)) == docs[:5]
+    code = list(embedded("code", max_documents=3))
+    assert len(code) == 3 and code == list(embedded("code", max_documents=3))
+    with pytest.raises(ValueError) as e:
+        embedded("poetry")
+    _one_line_error(e, "data.source.corpus", "prose", "code")
+
+
+def test_files_txt_jsonl_parquet_and_glob(tmp_path):
+    (tmp_path / "a.txt").write_text("first doc\nsecond line\n")
+    (tmp_path / "b.txt").write_text("  other\n\ndoc")
+    (tmp_path / "n.md").write_text("# title\n")
+    (tmp_path / "c.jsonl").write_text(
+        "\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate("xyz"))
+    )
+    datasets.Dataset.from_dict({"text": ["p1", "p2"], "n": [1, 2]}).to_parquet(str(tmp_path / "d.parquet"))
+
+    assert list(files(str(tmp_path / "*.txt"))) == ["first doc\nsecond line\n", "  other\n\ndoc"]
+    assert list(files(str(tmp_path / "c.jsonl"), text_key="body")) == ["x", "y", "z"]
+    assert list(files(str(tmp_path / "d.parquet"))) == ["p1", "p2"]
+    mixed = files([str(tmp_path / "n.md"), str(tmp_path / "*.parquet"), str(tmp_path / "a.txt")])
+    assert list(mixed) == ["# title\n", "p1", "p2", "first doc\nsecond line\n"]
+    assert list(files(str(tmp_path / "c.jsonl"), text_key="body", max_documents=2)) == ["x", "y"]
+
+
+def test_files_errors(tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    (tmp_path / "bad.parquet").write_bytes(b"garbage, not parquet")
+    (tmp_path / "data.csv").write_text("text\nx\n")
+
+    with pytest.raises(FileNotFoundError) as e:
+        files(str(tmp_path / "*.txt"))
+    _one_line_error(e, "data.source.paths", "*.txt", "matches no file")
+    with pytest.raises(ValueError) as e:
+        files([])
+    _one_line_error(e, "data.source.paths", "empty")
+    with pytest.raises(ValueError) as e:
+        files(str(tmp_path / "data.csv"))
+    _one_line_error(e, "data.csv", ".txt", ".jsonl", ".parquet")
+    with pytest.raises(ValueError) as e:
+        list(files(str(tmp_path / "c.jsonl")))
+    _one_line_error(e, "data.source.text_key", "c.jsonl", "body")
+    for bad in ("bad.jsonl", "bad.parquet"):
+        with pytest.raises(ValueError) as e:
+            list(files(str(tmp_path / bad)))
+        _one_line_error(e, "data.source.paths", bad)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_hub_on_local_folder(tmp_path, monkeypatch, streaming):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, texts in (("part0.jsonl", ["a", "b"]), ("part1.jsonl", ["c"])):
+        (folder / name).write_text("\n".join(json.dumps({"text": t, "url": "u"}) for t in texts))
+    assert list(hub(str(folder), streaming=streaming)) == ["a", "b", "c"]
+    assert list(hub(str(folder), streaming=streaming, max_documents=2)) == ["a", "b"]
+    if not streaming:  # streaming only learns the columns while iterating
+        with pytest.raises(ValueError) as e:
+            hub(str(folder), streaming=False, text_key="content")
+        _one_line_error(e, "data.source.text_key", "url")
+
+
+# --- datasets and sampler ---------------------------------------------------
+
+
+def test_packed_dataset_is_exact():
+    tokens = np.arange(1000, dtype=np.uint16)
+    for seq_len in (1, 7, 64, 999):
+        ds = PackedDataset(tokens, seq_len)
+        assert len(ds) == (len(tokens) - 1) // seq_len
+        items = [ds[i] for i in range(len(ds))]
+        inputs = torch.cat([it["input_ids"] for it in items])
+        assert inputs.dtype == torch.int64
+        assert inputs.tolist() == tokens[: len(ds) * seq_len].tolist()  # nothing lost or duplicated
+        for it in items:
+            assert it["labels"][:-1].tolist() == it["input_ids"][1:].tolist()
+            assert it["labels"][-1] == it["input_ids"][-1] + 1
+    assert len(PackedDataset(tokens, 1000)) == 0
+    with pytest.raises(IndexError):
+        PackedDataset(tokens, 7)[len(PackedDataset(tokens, 7))]
+
+
+def test_padded_dataset_truncates_and_pads():
+    pad = 99
+    docs = [[1, 10, 11, 2], [1, 20, 21, 22, 23, 24, 25, 2], [1, 2]]
+    tokens = np.array(sum(docs, []), dtype=np.uint16)
+    offsets = np.cumsum([0] + [len(d) for d in docs])
+    ds = PaddedDataset(tokens, offsets, seq_len=5, pad_id=pad)
+    assert len(ds) == 3
+    short, long, empty = ds[0], ds[1], ds[2]
+    assert short["input_ids"].tolist() == [1, 10, 11, 2, pad]
+    assert short["labels"].tolist() == [10, 11, 2, -100, -100]
+    assert short["attention_mask"].tolist() == [1, 1, 1, 1, 0]
+    assert long["input_ids"].tolist() == [1, 20, 21, 22, 23]
+    assert long["labels"].tolist() == [20, 21, 22, 23, 24]
+    assert long["attention_mask"].tolist() == [1] * 5
+    assert empty["labels"].tolist() == [2, -100, -100, -100, -100]
+    assert empty["attention_mask"].tolist() == [1, 1, 0, 0, 0]
+    assert all(v.dtype == torch.int64 and v.shape == (5,) for v in short.values())
+
+
+def test_memmap_datasets_pickle_as_path(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(10_000, dtype=np.uint16).tofile(path)
+    ds = PackedDataset(np.memmap(path, dtype=np.uint16, mode="r"), 8)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000  # not the 20 KB of tokens
+    assert pickle.loads(blob)[3]["input_ids"].tolist() == list(range(24, 32))
+
+
+def _epoch(n, world, rank, epoch=0):
+    sampler = ResumableDistributedSampler(range(n), num_replicas=world, rank=rank, seed=3)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize("n", [10, 11, 37])
+def test_sampler_ranks_partition_the_single_process_epoch(n):
+    single = _epoch(n, 1, 0)
+    assert sorted(single) == list(range(n))
+    for world in (2, 3):
+        per_rank = [_epoch(n, world, r) for r in range(world)]
+        sets = [set(p) for p in per_rank]
+        assert all(len(p) == n // world for p in per_rank)
+        assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :])
+        assert set().union(*sets) == set(single[: world * (n // world)])
+    b = 2  # 1 process x batch 2b == union of 2 ranks x batch b
+    assert set(_epoch(n, 2, 0)[:b]) | set(_epoch(n, 2, 1)[:b]) == set(single[: 2 * b])
+
+
+def test_sampler_resume_and_set_epoch():
+    sampler = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
+    full = list(sampler)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(9)]
+    state = sampler.state_dict()
+    assert state == {"epoch": 0, "consumed": 9} and seen == full[:9]
+    resumed = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
+    resumed.load_state_dict(state)
+    assert list(resumed) == full[9:]
+    assert list(resumed) == full  # the skip applies once
+    resumed.set_epoch(1)
+    assert list(resumed) != full and len(list(resumed)) == len(full)
+    other = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
+    other.set_epoch(1)
+    assert list(other) == list(resumed)
+
+
+# --- datamodule -------------------------------------------------------------
+
+
+def _dm(tmp_path, tokenizer=byte_level, **kw):
+    kw = {"seq_len": 32, "batch_size": 4, "cache_dir": str(tmp_path / "cache"), **kw}
+    return TextDataModule(source=partial(embedded, max_documents=10), tokenizer=partial(tokenizer), **kw)
+
+
+def _split_docs(dm, split):
+    tokens = np.fromfile(os.path.join(dm.data_dir, f"{split}.bin"), dtype=np.uint16)
+    offsets = np.load(os.path.join(dm.data_dir, f"{split}.idx.npy"))
+    assert offsets.dtype == np.int64 and offsets[0] == 0 and offsets[-1] == len(tokens)
+    return [tuple(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def test_cache_holds_each_document_once_and_is_reused(tmp_path):
+    dm = _dm(tmp_path, val_fraction=0.2)
+    dm.prepare_data()
+    tok, ids = dm.tokenizer, dm.special_ids
+    expected = sorted(tuple([ids.bot, *tok.encode(d).ids, ids.eot]) for d in embedded(max_documents=10))
+    train, val = _split_docs(dm, "train"), _split_docs(dm, "val")
+    assert len(val) == 2 and len(train) == 8
+    assert sorted(train + val) == expected  # disjoint and covering
+    meta = json.loads(open(os.path.join(dm.data_dir, "meta.json")).read())
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 260
+    assert meta["n_docs"] == {"train": 8, "val": 2}
+    assert meta["n_tokens"]["train"] == sum(map(len, train))
+    assert Tokenizer.from_file(os.path.join(dm.data_dir, "tokenizer.json")).to_str() == tok.to_str()
+
+    mtime = os.path.getmtime(os.path.join(dm.data_dir, "train.bin"))
+    again = _dm(tmp_path, val_fraction=0.2, seq_len=64, packing=False)
+    assert again.data_dir == dm.data_dir
+    again.prepare_data()
+    assert os.path.getmtime(os.path.join(dm.data_dir, "train.bin")) == mtime
+    assert _dm(tmp_path, val_fraction=0.2, seed=1).data_dir != dm.data_dir
+    assert [p for p in os.listdir(tmp_path / "cache") if p.startswith(".")] == []  # no tmp left
+
+
+@pytest.mark.parametrize("tokenizer", [byte_level, partial(train_bpe, vocab_size=350)])
+@pytest.mark.parametrize("packing", [True, False])
+def test_datamodule_end_to_end(tmp_path, tokenizer, packing):
+    dm = _dm(tmp_path, tokenizer=tokenizer, packing=packing)
+    dm.setup("fit")  # no Trainer: builds the cache itself
+    batch = next(iter(dm.train_dataloader()))
+    keys = {"input_ids", "labels"} | ({"attention_mask"} if not packing else set())
+    assert set(batch) == keys
+    assert all(v.shape == (4, 32) and v.dtype == torch.int64 for v in batch.values())
+    assert int(batch["input_ids"].max()) < dm.vocab_size
+    assert len(dm.val_dataloader()) >= 1
+    assert isinstance(dm.train_dataloader().sampler, ResumableDistributedSampler)
+    if tokenizer is not byte_level:
+        assert dm.vocab_size == 350
+        cached = [p for p in os.listdir(tmp_path / "cache") if p.startswith("tokenizer-")]
+        assert len(cached) == 1  # trained once, then reloaded
+        assert _dm(tmp_path, tokenizer=tokenizer).tokenizer.to_str() == dm.tokenizer.to_str()
+
+
+def test_datamodule_errors(tmp_path):
+    for key, kw in (
+        ("data.seq_len", {"seq_len": 0}),
+        ("data.batch_size", {"batch_size": 0}),
+        ("data.val_fraction", {"val_fraction": 1.0}),
+    ):
+        with pytest.raises(ValueError) as e:
+            _dm(tmp_path, **kw)
+        _one_line_error(e, key)
+    with pytest.raises(ValueError) as e:
+        _dm(tmp_path, seq_len=10**6).setup("fit")
+    _one_line_error(e, "data.seq_len", "tokens")

@@ -42,6 +42,7 @@ class LlamaLM(L.LightningModule):
         self.model: Llama | None = None
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
+        self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
 
     def configure_model(self) -> None:
         """Build (and shard) the model here so that strategies can wrap it as it is created."""
@@ -84,6 +85,9 @@ class LlamaLM(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
+
+    def on_train_start(self) -> None:
+        self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self._loss(batch)
@@ -133,6 +137,8 @@ class LlamaLM(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["tokenizer"] = self.tokenizer_json
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self.tokenizer_json = checkpoint.get("tokenizer") or self.tokenizer_json

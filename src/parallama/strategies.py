@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
-import argparse
+import inspect
 from typing import Literal
+
+import torch
 
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -33,7 +35,9 @@ class ShardedDDPStrategy(DDPStrategy):
         sharded = []
         for optimizer in self.optimizers:
             groups = [dict(group) for group in optimizer.param_groups]
-            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is optimizer:
                     config.scheduler.optimizer = zero
@@ -44,15 +48,17 @@ class ShardedDDPStrategy(DDPStrategy):
 class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy, minus its CUDA-only guard when the accelerator is the CPU.
 
-    On CPU, DeepSpeed communicates over gloo and needs `device_rank` to be the local rank (Lightning
-    passes the CUDA device index, which a CPU device does not have). Everything else is Lightning's.
+    Lightning hands DeepSpeed the root device's index as the rank's device and checks it against the local
+    rank; a CPU device has none. So on CPU the root device is `cpu:<local_rank>` (tensors on it are plain
+    CPU tensors) and communication goes over gloo. GPU runs take Lightning's path unchanged.
     """
 
     strategy_name = "deepspeed"
 
     def setup_environment(self) -> None:
-        if self.accelerator is not None and self.root_device.type == "cpu":
-            super(DeepSpeedStrategy, self).setup_environment()
+        if self.root_device.type == "cpu":
+            self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+            super(DeepSpeedStrategy, self).setup_environment()  # skip only DeepSpeedStrategy's CUDA check
         else:
             super().setup_environment()
 
@@ -60,22 +66,6 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     def offload_optimizer(self) -> bool:
         self._init_config_if_needed()
         return "offload_optimizer" in self.config.get("zero_optimization", {})
-
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-        if self.root_device.type != "cpu":
-            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-        import deepspeed
-
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        return engine, ds_optimizer
 
 
 class FSDP2Strategy(ModelParallelStrategy):

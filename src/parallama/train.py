@@ -59,6 +59,7 @@ def train(cfg: DictConfig) -> float | None:
         activation_checkpointing=cfg.activation_checkpointing,
         init_from=cfg.init_from,
     )
+    module.tokenizer_json = datamodule.tokenizer.to_str()
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=hydra.utils.instantiate(cfg.strategy),
@@ -79,6 +80,8 @@ def train(cfg: DictConfig) -> float | None:
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}"
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name))
+    if cfg.validate_before_training and ckpt_path is None:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
     sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import ThroughputMonitor
+from datetime import timedelta
+
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, ThroughputMonitor
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 def _samples(batch: dict) -> int:
@@ -25,4 +28,49 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         data = trainer.datamodule
-        pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * data.seq_len * data.batch_size
+        pl_module.flops_per_batch = (
+            pl_module.config.flops_per_token(data.seq_len) * data.seq_len * data.batch_size
+        )
+
+
+class PreemptionCheckpoint(OnExceptionCheckpoint):
+    """Save `last.ckpt` when the job is told to stop (SIGTERM from a scheduler, Ctrl-C), so `ckpt_path=last`
+    resumes exactly there. Failures (a NaN loss, a crash) do not save: they must not overwrite good weights."""
+
+    def __init__(self, dirpath: str, filename: str = "last") -> None:
+        super().__init__(dirpath=dirpath, filename=filename)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
+            super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        """Keep the file: unlike Lightning's OnExceptionCheckpoint it is last.ckpt, the run's resume point."""
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` every N optimizer steps and/or every T, and always at the end of training.
+
+    Lightning's own end-of-training save is skipped once any `last` was written during the run, which would
+    leave the final steps out of last.ckpt.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+    ):
+        super().__init__(
+            dirpath=dirpath,
+            monitor=None,
+            save_top_k=0,
+            save_last=True,
+            enable_version_counter=False,  # always last.ckpt, even if the interval changed since the last run
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+        )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -6,21 +6,120 @@ Each failure is a `ConfigError` whose one-line message names the key and what wo
 
 from __future__ import annotations
 
+import difflib
+import re
+from pathlib import Path
+
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.errors import ConfigError
 
+_SKIP_PREFLIGHT = ("-", "hydra.", "hydra/", "+hydra", "~hydra")
+
+
+def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
+    """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
+
+    Skipped for Hydra's own flags (-m, --cfg, ...) where Hydra reports for itself.
+    """
+    if any(arg.startswith(_SKIP_PREFLIGHT[:1]) for arg in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [arg for arg in argv if not arg.startswith(_SKIP_PREFLIGHT[1:])]
+    try:
+        with initialize_config_dir(str(conf_dir), version_base="1.3"):
+            defaults = compose(config_name)
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        message = f"{err}\n{err.__cause__ or ''}"
+        raise ConfigError(_one_line(message, locals().get("defaults"))) from None
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
+    with open_dict(cfg):
+        del cfg["hydra"]
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
+    check_config(cfg)
+
+
+def _one_line(message: str, defaults: DictConfig | None) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if (match := re.match(r"Could not override '([^']+)'", lines[0])) and "not in struct" in message:
+        key = match.group(1)
+        return f"unknown config key '{key}'{_did_you_mean(key, defaults)}; to add a new key write +{key}=..."
+    if match := re.search(r"Could not find '([^']+)'", lines[0]):
+        group, _, option = match.group(1).rpartition("/")
+        start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+        options = []
+        if start is not None:
+            options = [
+                line
+                for line in lines[start + 1 :]
+                if not line.startswith(("Config search path", "provider="))
+            ]
+        return f"{group}={option} is not an option of config group '{group}'; valid: {', '.join(options)}"
+    return " ".join(lines[:3])
+
+
+def _did_you_mean(key: str, defaults: DictConfig | None) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(defaults, parent) if defaults is not None and parent else defaults
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
+
 
 def check_config(cfg: DictConfig) -> None:
+    _check_types(cfg)
     _check_optimizer(cfg)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
+    _check_model_shape(model)
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
     _check_devices(trainer)
     _resolve_global_batch(cfg)
+
+
+_NUMBERS = {
+    "data.seq_len": int,
+    "data.batch_size": int,
+    "trainer.max_steps": int,
+    "trainer.num_nodes": int,
+    "scheduler.warmup_steps": int,
+    "optimizer.lr": float,
+    "optimizer.weight_decay": float,
+}
+
+
+def _check_types(cfg: DictConfig) -> None:
+    for key, kind in _NUMBERS.items():
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise ConfigError(f"{key}={value!r} must be {'a number' if kind is float else 'an integer'}")
+        if key in ("data.seq_len", "data.batch_size", "trainer.num_nodes") and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def _check_model_shape(model: DictConfig) -> None:
+    from parallama.model import LlamaConfig
+
+    fields = OmegaConf.to_container(model, resolve=True)
+    if fields.get("vocab_size") is None:
+        fields["vocab_size"] = 1  # filled in from the tokenizer later
+    try:
+        LlamaConfig(**fields)
+    except TypeError as err:  # an unknown field
+        raise ConfigError(f"model: {err}; valid fields are LlamaConfig's (Hugging Face names)") from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_optimizer(cfg: DictConfig) -> None:
@@ -44,7 +143,9 @@ def _check_devices(trainer: DictConfig) -> None:
     accelerator, devices = trainer.accelerator, trainer.devices
     gpus = torch.cuda.device_count()
     if accelerator in ("gpu", "cuda") and gpus == 0:
-        raise ConfigError(f"trainer.accelerator={accelerator} but no GPU is visible; use trainer.accelerator=cpu or auto")
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but no GPU is visible; use trainer.accelerator=cpu or auto"
+        )
     if isinstance(devices, int) and devices < 1:
         raise ConfigError(f"trainer.devices={devices} must be >= 1 (or auto)")
     uses_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
@@ -57,7 +158,9 @@ def _resolve_global_batch(cfg: DictConfig) -> None:
     global_batch = cfg.get("global_batch_size")
     if global_batch is None:
         return
-    devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else max(1, torch.cuda.device_count())
+    devices = (
+        cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else max(1, torch.cuda.device_count())
+    )
     per_step = cfg.data.batch_size * devices * cfg.trainer.num_nodes
     if global_batch % per_step:
         raise ConfigError(

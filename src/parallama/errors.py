@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """Bad user input (a config key, a file, a checkpoint). The message names it and says what is valid."""
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN/inf; raised before the optimizer step so the last checkpoint stays good."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from parallama.errors import ConfigError
+from parallama.errors import ConfigError, TrainingDiverged
 from parallama.model import Llama, LlamaConfig
 from parallama.parallelize import parallelize
 
@@ -52,7 +52,9 @@ class LlamaLM(L.LightningModule):
         meta_init = getattr(strategy, "meta_init", False)
         with torch.device("meta") if meta_init else nullcontext():
             model = Llama(self.config)
-        if self.hparams.init_from and not meta_init:
+        if self.hparams.init_from and meta_init:
+            raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
+        if self.hparams.init_from:
             from parallama.hf import load_hf_weights
 
             load_hf_weights(model, self.hparams.init_from)
@@ -77,9 +79,9 @@ class LlamaLM(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"train/loss is {loss.item()} at step {self.global_step}: lower optimizer.lr, raise "
-                "scheduler.warmup_steps, or resume from the last good checkpoint"
+            raise TrainingDiverged(
+                f"train/loss is {loss.item()} at step {self.global_step}: lower optimizer.lr or raise "
+                "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
         self.tokens_seen += batch["input_ids"].numel() * self.trainer.world_size
         self.log("train/loss", loss, prog_bar=True)

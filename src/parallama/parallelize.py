@@ -25,10 +25,11 @@ def parallelize(
     if compile:
         for block in model.layers:
             block.compile()  # in place: parameter names stay the same
-    from parallama.strategies import FSDP2Strategy  # strategies imports lightning; keep model imports light
+    if strategy is not None:
+        from parallama.strategies import FSDP2Strategy  # imports Lightning: only when a strategy is given
 
-    if isinstance(strategy, FSDP2Strategy):
-        _apply_fsdp(model, strategy)
+        if isinstance(strategy, FSDP2Strategy):
+            _apply_fsdp(model, strategy)
     return model
 
 

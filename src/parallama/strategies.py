@@ -15,7 +15,6 @@ import inspect
 from typing import Literal
 
 import torch
-
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 

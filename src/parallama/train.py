@@ -9,13 +9,16 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from parallama.errors import ConfigError
+from parallama import CONF_DIR
+from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path
+from parallama.loggers import continue_wandb_run
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 log = logging.getLogger("parallama")
 
 
@@ -33,7 +36,7 @@ def instantiate_dict(node: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Run one training job; returns the final val/loss (the metric sweeps optimize)."""
+    """Run one training job; returns the final `optimized_metric` (default val/loss), which sweeps optimize."""
     from parallama.checks import check_config
     from parallama.module import LlamaLM
 
@@ -60,6 +63,8 @@ def train(cfg: DictConfig) -> float | None:
         init_from=cfg.init_from,
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name))
+    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: a resumed run logs to its checkpoint's W&B run
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=hydra.utils.instantiate(cfg.strategy),
@@ -77,17 +82,17 @@ def train(cfg: DictConfig) -> float | None:
         )
     log.info(
         f"[rank {trainer.global_rank}/{trainer.world_size}, local rank {trainer.local_rank}] "
-        f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}"
+        f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
+        f"lr {module.hparams.optimizer['lr']:g}"
     )
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name))
     if cfg.validate_before_training and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
     sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None
     report(trainer, output_dir, sample)
-    val_loss = trainer.callback_metrics.get("val/loss")
-    return float(val_loss) if val_loss is not None else None
+    metric = trainer.callback_metrics.get(cfg.get("optimized_metric", "val/loss"))
+    return float(metric) if metric is not None else None
 
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
@@ -112,6 +117,11 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
     return tokenizer.decode(out[0, 1:].tolist(), skip_special_tokens=True)
 
 
+def last_checkpoint_note(cfg: DictConfig) -> str:
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+
+
 @rank_zero_only
 def print_config(cfg: DictConfig) -> None:
     from rich.console import Console
@@ -125,10 +135,14 @@ def print_config(cfg: DictConfig) -> None:
 
 @rank_zero_only
 def report(trainer: L.Trainer, output_dir: str, sample: str | None) -> None:
-    ckpt = trainer.checkpoint_callback
     lines = [f"output dir:      {output_dir}"]
-    if ckpt is not None:
-        lines += [f"best checkpoint: {ckpt.best_model_path or '-'}", f"last checkpoint: {ckpt.last_model_path or '-'}"]
+    for ckpt in trainer.checkpoint_callbacks:
+        if not isinstance(ckpt, ModelCheckpoint):
+            continue
+        if ckpt.monitor:
+            lines.append(f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})")
+        if ckpt.last_model_path:
+            lines.append(f"last checkpoint: {ckpt.last_model_path}")
     for logger in trainer.loggers:
         lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
@@ -142,9 +156,15 @@ def report(trainer: L.Trainer, output_dir: str, sample: str | None) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         return train(cfg)
-    except ConfigError as err:
+    except (ConfigError, FileNotFoundError) as err:
         log.error(f"error: {err}")
         sys.exit(2)
+    except TrainingDiverged as err:
+        log.error(f"error: {err} ({last_checkpoint_note(cfg)})")
+        sys.exit(3)
+    except SIGTERMException:
+        log.warning(f"stopped by SIGTERM; {last_checkpoint_note(cfg)}; resume with ckpt_path=last")
+        sys.exit(0)
     finally:
         wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
         if wandb is not None and wandb.run is not None:
@@ -152,6 +172,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    from parallama.checks import preflight
+
+    try:
+        preflight(CONF_DIR, "train", sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     patch_ddp_relaunch()
     _hydra_main()
 

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
 from parallama.data.tokenizer import SpecialIds, special_ids
+from parallama.errors import ConfigError
 
 SPLITS = ("train", "val")
 
@@ -76,17 +77,18 @@ class TextDataModule(LightningDataModule):
     ):
         super().__init__()
         if seq_len < 1:
-            raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+            raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
         if batch_size < 1:
-            raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+            raise ConfigError(f"data.batch_size={batch_size} must be >= 1")
         if not 0 <= val_fraction < 1:
-            raise ValueError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+            raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1)")
         self.source, self.tokenizer_fn = source, tokenizer
         self.seq_len, self.batch_size, self.packing = seq_len, batch_size, packing
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
         self._trains = "texts" in inspect.signature(tokenizer).parameters
         self.data_dir = os.path.join(cache_dir, _hash(_spec(source), _spec(tokenizer), val_fraction, seed))
+        self._resume_state: dict | None = None
         self.datasets: dict[str, Dataset] = {}
 
     @cached_property
@@ -143,7 +145,7 @@ class TextDataModule(LightningDataModule):
                 lengths += map(len, encoded)
         n_docs = len(lengths)
         if n_docs == 0:
-            raise ValueError("data.source yielded no documents")
+            raise ConfigError("data.source yielded no documents")
         n_val = max(1, round(self.val_fraction * n_docs)) if self.val_fraction > 0 and n_docs >= 2 else 0
         n_val = min(n_val, n_docs - 1)
         perm = np.random.default_rng(self.seed).permutation(n_docs)
@@ -181,7 +183,7 @@ class TextDataModule(LightningDataModule):
                 offsets = np.load(f"{path}.idx.npy")
                 self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)
         if len(self.datasets["train"]) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"data.seq_len={self.seq_len} yields no train sample from {meta['n_tokens']['train']} train tokens"
             )
 
@@ -201,10 +203,24 @@ class TextDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = ResumableDistributedSampler(
-            self.datasets["train"], world, rank, shuffle=True, seed=self.seed
-        )
+        sampler = ResumableDistributedSampler(self.datasets["train"], world, rank, shuffle=True, seed=self.seed)
+        if self._resume_state:
+            sampler.load_state_dict(self._resume_state)  # skip what was trained on before the checkpoint
+            self._resume_state = None
         return self._loader("train", sampler, drop_last=True)
+
+    def state_dict(self) -> dict:
+        """Where training stands inside the epoch, saved in every checkpoint for an exact mid-epoch resume.
+
+        Counts the batches the loop has trained on, not what the sampler has handed out: loaders prefetch.
+        """
+        if self.trainer is None:
+            return {}
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self.trainer.current_epoch, "consumed": batches * self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_state = state or None
 
     def val_dataloader(self) -> DataLoader:
         """Sequential shards per rank; DistributedSampler pads the last one with repeats,

@@ -96,11 +96,12 @@ class ResumableDistributedSampler(DistributedSampler):
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         self.consumed = 0  # yielded so far this epoch
-        self._skip = 0  # to skip at the start of the next iteration (after a load)
+        self._skip: tuple[int, int] | None = None  # (epoch, samples) to skip once, after a load
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        self.consumed, self._skip = self._skip, 0
+        skip_epoch, skip = self._skip or (None, 0)
+        self.consumed, self._skip = (skip if skip_epoch == self.epoch else 0), None
         for i in indices[self.consumed :]:
             self.consumed += 1
             yield i
@@ -109,4 +110,5 @@ class ResumableDistributedSampler(DistributedSampler):
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self._skip = state["epoch"], state["consumed"]
+        """Skip `consumed` samples when `epoch` is iterated next (not if the loop has moved to a new epoch)."""
+        self.epoch, self._skip = state["epoch"], (state["epoch"], state["consumed"])

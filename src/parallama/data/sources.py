@@ -16,6 +16,8 @@ from pathlib import Path
 
 from datasets import load_dataset
 
+from parallama.errors import ConfigError
+
 CORPORA = ("prose", "code")
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _NOT_CODE = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
@@ -34,7 +36,7 @@ def embedded(corpus: str = "prose", max_documents: int | None = None) -> Iterabl
     elif corpus == "code":
         docs = (p.read_bytes().decode("utf-8", errors="replace") for p in _stdlib_sources())
     else:
-        raise ValueError(f"data.source.corpus={corpus!r} is unknown; valid: {', '.join(CORPORA)}")
+        raise ConfigError(f"data.source.corpus={corpus!r} is unknown; valid: {', '.join(CORPORA)}")
     return itertools.islice(docs, max_documents)
 
 
@@ -50,7 +52,7 @@ def files(paths: str | list[str], text_key: str = "text", max_documents: int | N
     (field `text_key`). Globs are expanded; files are read in sorted order per pattern."""
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
-        raise ValueError("data.source.paths is empty; give a file, a glob or a list of them")
+        raise ConfigError("data.source.paths is empty; give a file, a glob or a list of them")
     matched = []
     for pattern in patterns:
         hits = [
@@ -61,7 +63,7 @@ def files(paths: str | list[str], text_key: str = "text", max_documents: int | N
         matched += hits
     for path in matched:
         if _ext(path) not in BUILDERS:
-            raise ValueError(
+            raise ConfigError(
                 f"data.source.paths: {path!r} has unsupported extension; valid: {', '.join(BUILDERS)}"
             )
     docs = itertools.chain.from_iterable(_read(path, text_key) for path in matched)
@@ -76,7 +78,7 @@ def _read(path: str, text_key: str) -> Iterator[str]:
     key = "text" if BUILDERS[_ext(path)] == "text" else text_key
     for row in _rows(path):
         if key not in row:
-            raise ValueError(f"data.source.text_key={key!r} not in {path}; columns: {sorted(row)}")
+            raise ConfigError(f"data.source.text_key={key!r} not in {path}; columns: {sorted(row)}")
         yield row[key]
 
 
@@ -86,7 +88,7 @@ def _rows(path: str) -> Iterator[dict]:
     try:
         yield from load_dataset(builder, data_files=path, split="train", streaming=True, **options)
     except Exception as e:  # whatever the reader raises, say which file it choked on
-        raise ValueError(f"data.source.paths: cannot read {path}: {_one_line(e)}") from e
+        raise ConfigError(f"data.source.paths: cannot read {path}: {_one_line(e)}") from e
 
 
 def _one_line(e: Exception) -> str:
@@ -107,7 +109,7 @@ def hub(
     ds = load_dataset(name, config_name, split=split, streaming=streaming)
     if ds.column_names is not None:
         if text_key not in ds.column_names:
-            raise ValueError(f"data.source.text_key={text_key!r} not in {name}; columns: {ds.column_names}")
+            raise ConfigError(f"data.source.text_key={text_key!r} not in {name}; columns: {ds.column_names}")
         ds = ds.select_columns([text_key])  # skip decoding the other columns
     docs = (row[text_key] for row in ds)
     return itertools.islice(docs, max_documents)

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from parallama.errors import ConfigError
+
 BOT = "[BOT]"  # begin of text: first token of every document
 EOT = "[EOT]"  # end of text: last token of every document
 PAD = "[PAD]"  # fills per-document samples up to seq_len
@@ -57,7 +59,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
     """Byte-level BPE as in the source article: specials get ids 0..3, then the 256
     byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus."""
     if vocab_size < len(SPECIALS) + 256:
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer.vocab_size={vocab_size} must be >= {len(SPECIALS) + 256} (specials + 256 bytes)"
         )
     tok = _byte_level_pipeline(Tokenizer(models.BPE(unk_token=UNK)))
@@ -102,7 +104,7 @@ def special_ids(tok: Tokenizer) -> SpecialIds:
     ids = {role: _find(tok, role) for role in _ALIASES}
     if None in ids.values():
         missing = [role for role, i in ids.items() if i is None]
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer has no token for {missing}; build it with parallama.data.tokenizer factories"
         )
     return SpecialIds(**ids)

@@ -1,0 +1,51 @@
+"""Shared helpers: run the real CLIs as subprocesses (Lightning's ddp re-executes sys.argv, so never in-process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A model and run small enough for a 2-core CPU: a few steps of a 2-layer, 64-wide Llama on 12 documents.
+TINY = [
+    "trainer.accelerator=cpu",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "scheduler.warmup_steps=1",
+    "data.batch_size=4",
+    "data.seq_len=64",
+    "data.source.max_documents=12",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "sample.max_new_tokens=0",
+    "callbacks.progress_bar=null",
+    "validate_before_training=false",
+]
+
+
+def run_cli(module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb"))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def train(*args: str, cwd: Path, cache: Path, run_dir: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
+    extra = [f"paths.cache_dir={cache}"] + ([f"hydra.run.dir={run_dir}"] if run_dir else [])
+    return run_cli("parallama.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenized-corpus cache for the whole session (every run of the same data reuses it)."""
+    return tmp_path_factory.mktemp("cache")

@@ -1,0 +1,67 @@
+"""`parallama-train` end to end in one process: it trains, checkpoints, logs, samples, and fails cleanly."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from conftest import run_cli, train
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_writes_checkpoints_logs_config_and_a_sample(tmp_path, data_cache):
+    run = tmp_path / "run"
+    proc = train(
+        "validate_before_training=true",
+        "sample.max_new_tokens=12",
+        "callbacks.throughput.window_size=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=run,
+    )
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert len(list((run / "checkpoints").glob("step*.ckpt"))) == 1  # the best by val/loss
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "resolved_config.yaml").is_file()
+    rows = read_metrics(run)
+    val = [(int(r["step"]), float(r["val/loss"])) for r in rows if r["val/loss"]]
+    assert val[0][0] == 0 and len(val) >= 2  # the untrained baseline, then validations during training
+    assert val[-1][1] < val[0][1]
+    assert any(r["train/loss"] for r in rows) and any(r["lr-AdamW/pg1"] for r in rows)
+    assert any(r["train/device/items_per_sec"] for r in rows)  # tokens/s from the ThroughputMonitor
+    out = proc.stdout + proc.stderr
+    assert "sample:" in out and "last checkpoint:" in out and "rank 0/1" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["trainer.max_stepz=3"], "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
+        (["data.source.corpus=poetry"], "error: data.source.corpus='poetry' is unknown; valid: prose, code"),
+        (["data/source=files", "data.source.paths=/nonexistent/*.txt"], "data.source.paths='/nonexistent/*.txt' matches no file"),
+        (["tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=320"], "the tokenizer has 400 tokens but model.vocab_size=320"),
+    ],
+)
+def test_bad_input_fails_with_one_line(tmp_path, data_cache, args, message):
+    proc = train(*args, cwd=tmp_path, cache=data_cache, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert message in out
+    assert "Traceback" not in out
+    error_lines = [line for line in out.splitlines() if "error:" in line]
+    assert len(error_lines) == 1
+
+
+def test_missing_checkpoint_is_reported(tmp_path, data_cache):
+    proc = train("ckpt_path=/nonexistent/last.ckpt", cwd=tmp_path, cache=data_cache, check=False)
+    assert proc.returncode == 2
+    assert "ckpt_path=/nonexistent/last.ckpt does not exist" in proc.stdout + proc.stderr
+
+
+def test_help_lists_groups(tmp_path):
+    proc = run_cli("parallama.train", "--help", cwd=tmp_path)
+    assert "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp" in proc.stdout

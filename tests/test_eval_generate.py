@@ -1,0 +1,78 @@
+"""parallama-eval and parallama-generate on a tiny trained run (see test_export.trained_run)."""
+
+import csv
+import json
+import math
+import subprocess
+
+import pytest
+from test_export import BIN, trained_run
+
+from parallama.evaluate import main as eval_main
+from parallama.export import main as export_main
+from parallama.generate import generate_text
+from parallama.generate import main as generate_main
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return trained_run(tmp_path_factory.getbasetemp()) / "checkpoints" / "last.ckpt"
+
+
+def test_eval_reproduces_the_runs_val_loss(ckpt):
+    """Same held-out documents, same tokenizer, same weights: the loss training logged last."""
+    cmd = [str(BIN / "parallama-eval"), f"ckpt_path={ckpt}", "max_batches=2", "json=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    with open(ckpt.parent.parent / "csv" / "metrics.csv") as f:
+        logged = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
+    assert math.isfinite(result["loss"]) and result["tokens"] > 0
+    assert result["loss"] == pytest.approx(logged[-1], rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(result["loss"]))
+
+
+def test_eval_train_split_and_text_output(ckpt, capsys):
+    eval_main([f"ckpt_path={ckpt}", "split=train", "batch_size=1", "max_batches=1", "data.seq_len=16"])
+    out = capsys.readouterr().out.strip()
+    fields = dict(item.split("=") for item in out.split())
+    assert set(fields) == {"loss", "ppl", "tokens"} and fields["tokens"] == "16", out
+
+
+def test_greedy_generation_is_deterministic_and_the_same_from_an_export(ckpt, tmp_path):
+    args = ["prompt=Once", "max_new_tokens=12", "temperature=0"]
+    text = generate_text([f"ckpt_path={ckpt}", *args])
+    assert text.startswith("Once") and len(text) > len("Once")
+    assert generate_text([f"ckpt_path={ckpt}", *args]) == text
+    export_main([f"ckpt_path={ckpt}", f"out_dir={tmp_path}"])
+    assert generate_text([f"model_dir={tmp_path}", *args]) == text
+
+
+def test_sampling_depends_on_the_seed_only(ckpt):
+    args = [f"ckpt_path={ckpt}", "max_new_tokens=16", "temperature=1.0", "top_p=0.9"]
+    a, b, c = (generate_text([*args, f"seed={seed}"]) for seed in (1, 1, 2))
+    assert a == b != c
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "needle"),
+    [
+        (eval_main, ["max_batches=1"], "ckpt_path= is required"),
+        (eval_main, ["ckpt_path={ckpt}", "data.bogus=1"], "unknown or invalid key 'data.bogus'"),
+        (
+            eval_main,
+            ["ckpt_path={ckpt}", "data.source=nope"],
+            "data.source=nope is not a source; valid: embedded",
+        ),
+        (eval_main, ["ckpt_path={ckpt}", "split=test"], "split=test is not valid"),
+        (generate_main, ["prompt=x"], "give exactly one of ckpt_path"),
+        (generate_main, ["ckpt_path={ckpt}", "temprature=0"], "unknown or invalid key 'temprature'"),
+        (generate_main, ["ckpt_path={ckpt}", "temperature=-1"], "temperature=-1"),
+    ],
+)
+def test_cli_errors(ckpt, main, argv, needle, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main([a.format(ckpt=ckpt) for a in argv])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err

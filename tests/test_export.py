@@ -1,0 +1,173 @@
+"""Checkpoints <-> Hugging Face folders: exact logits both ways, tokenizer files, init_from, one-line errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from parallama.checkpoint import load_checkpoint, load_state_into
+from parallama.data.tokenizer import byte_level
+from parallama.errors import ConfigError
+from parallama.export import main as export_main
+from parallama.hf import load_hf_weights, save_hf_folder
+from parallama.model import Llama, LlamaConfig
+
+BIN = Path(sys.executable).parent
+# Matches the byte tokenizer: 260 tokens, rounded up to 320 by parallama-train.
+SHAPE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,  # HF's default is 1e-6
+)
+
+
+def hf_model(tie=False, seed=0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tie)).eval()
+
+
+def trained_run(base: Path) -> Path:
+    """One tiny parallama-train run, shared by the test files (reused when it exists): it starts from a
+    random HF model via init_from, with lr=1e-9 so that its checkpoint still holds those weights."""
+    run = base / "run"
+    if (run / "checkpoints" / "last.ckpt").exists():
+        return run
+    hf_model().save_pretrained(base / "hf_init")
+    overrides = [f"model.{k}={v}" for k, v in SHAPE.items() if k != "vocab_size"]
+    cmd = [str(BIN / "parallama-train"), *overrides, f"init_from={base / 'hf_init'}", "optimizer.lr=1e-9"]
+    cmd += ["trainer.accelerator=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2"]
+    cmd += ["trainer.limit_val_batches=2", "scheduler.warmup_steps=1", "data.batch_size=2", "data.seq_len=32"]
+    cmd += ["data.source.max_documents=12", "sample.max_new_tokens=0", "callbacks.progress_bar=null"]
+    cmd += [f"paths.cache_dir={base / 'cache'}", f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=base, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return trained_run(tmp_path_factory.getbasetemp())
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return getattr(out, "logits", out)
+
+
+def one_line(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers(tmp_path, tie):
+    torch.manual_seed(0)
+    ours = Llama(LlamaConfig(**SHAPE, tie_word_embeddings=tie)).eval()
+    tok = byte_level()
+    save_hf_folder(tmp_path, ours.state_dict(), ours.config, tok.to_str())
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 320, (2, 24))
+    torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-5, rtol=0)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "Héllo, wörld!\n  def f(x): return x"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids
+    assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("[BOT]", "[EOT]", "[PAD]")
+
+
+@pytest.mark.parametrize(("tie", "shard"), [(False, None), (True, None), (False, "60KB")])
+def test_load_hf_weights_matches_transformers(tmp_path, tie, shard):
+    theirs = hf_model(tie)
+    theirs.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard)
+    ours = Llama(LlamaConfig(**SHAPE, tie_word_embeddings=tie)).eval()
+    load_hf_weights(ours, tmp_path)
+    ids = torch.randint(0, 320, (2, 24))
+    torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-5, rtol=0)
+
+
+def test_init_from_starts_training_from_the_hf_weights(run, tmp_path):
+    """The checkpoint after 2 steps at lr=1e-9 still holds the HF model's weights: init_from was used."""
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    hf = {k.removeprefix("model."): v for k, v in hf_model().state_dict().items()}
+    for key, tensor in ckpt.state_dict.items():
+        torch.testing.assert_close(tensor, hf[key], atol=1e-6, rtol=0)
+    # And the console script exports it to a folder transformers runs with the same logits.
+    out = tmp_path / "hf"
+    cmd = [str(BIN / "parallama-export"), f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"out_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ours = Llama(ckpt.config).eval()
+    load_state_into(ours, ckpt.state_dict)
+    ids = torch.randint(0, 320, (1, 16))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-5, rtol=0)
+
+
+def test_init_from_of_another_shape(tmp_path):
+    hf_model().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as excinfo:
+        load_hf_weights(Llama(LlamaConfig(**{**SHAPE, "hidden_size": 32})), tmp_path)
+    one_line(excinfo, f"init_from={tmp_path}", "hidden_size=64", "model.hidden_size=32")
+
+
+def test_checkpoint_of_another_shape(run):
+    ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    with pytest.raises(ConfigError) as excinfo:
+        load_state_into(Llama(LlamaConfig(**{**SHAPE, "intermediate_size": 96})), ckpt.state_dict)
+    one_line(excinfo, "layers.0.mlp.gate_proj.weight", "(128, 64)", "(96, 64)")
+
+
+def test_bad_checkpoints(run, tmp_path):
+    with pytest.raises(ConfigError) as excinfo:
+        load_checkpoint(tmp_path / "missing.ckpt")
+    one_line(excinfo, f"ckpt_path={tmp_path / 'missing.ckpt'} does not exist")
+
+    data = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (tmp_path / "half.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError) as excinfo:
+        load_checkpoint(tmp_path / "half.ckpt")
+    one_line(excinfo, "half.ckpt is truncated or corrupt")
+
+    torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "other.ckpt")
+    with pytest.raises(ConfigError) as excinfo:
+        load_checkpoint(tmp_path / "other.ckpt")
+    one_line(excinfo, "other.ckpt is not a parallama checkpoint")
+
+    (tmp_path / "folder.ckpt").mkdir()
+    with pytest.raises(ConfigError) as excinfo:
+        load_checkpoint(tmp_path / "folder.ckpt")
+    one_line(excinfo, "folder.ckpt is a folder but neither")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["ckpt_path=x", "out_dir=y", "bogus=1"],
+            "unknown or invalid key 'bogus'; valid keys: ckpt_path, out_dir",
+        ),
+        (["ckpt_path=x"], "out_dir= is required"),
+        (["ckpt_path"], "'ckpt_path' is not key=value"),
+        (
+            ["ckpt_path=/nonexistent/last.ckpt", "out_dir=y"],
+            "ckpt_path=/nonexistent/last.ckpt does not exist",
+        ),
+    ],
+)
+def test_export_cli_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        export_main(argv)
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err

@@ -1,0 +1,138 @@
+"""LightningModule pieces and config checks that need no training run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from parallama import CONF_DIR
+from parallama.checks import check_config, preflight
+from parallama.errors import ConfigError
+from parallama.module import LlamaLM, warmup_cosine
+
+SCHED = dict(warmup_steps=10, total_steps=110, start_factor=0.1, min_ratio=0.0)
+
+
+def test_schedule_warmup_peak_end():
+    assert warmup_cosine(0, **SCHED) == pytest.approx(0.1)
+    assert warmup_cosine(5, **SCHED) == pytest.approx(0.55)
+    assert warmup_cosine(10, **SCHED) == pytest.approx(1.0)  # peak right after warmup
+    assert warmup_cosine(60, **SCHED) == pytest.approx(0.5)  # cosine midpoint
+    assert warmup_cosine(110, **SCHED) == pytest.approx(0.0)
+    assert warmup_cosine(500, **SCHED) == pytest.approx(0.0)  # stays at the floor past the end
+    assert warmup_cosine(110, **{**SCHED, "min_ratio": 0.1}) == pytest.approx(0.1)
+    values = [warmup_cosine(s, **SCHED) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def tiny_module(**overrides) -> LlamaLM:
+    model = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    optimizer = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None)
+    scheduler = dict(warmup_steps=2, warmup_start_factor=0.1, min_lr_ratio=0.0)
+    module = LlamaLM(model=model, optimizer=optimizer, scheduler=scheduler, **overrides)
+    module.configure_model()
+    return module
+
+
+class _FakeTrainer:
+    estimated_stepping_batches = 20
+    strategy = None
+
+
+def test_decay_groups_and_schedule_wiring(monkeypatch):
+    module = tiny_module()
+    monkeypatch.setattr(LlamaLM, "trainer", property(lambda self: _FakeTrainer()))
+    conf = module.configure_optimizers()
+    optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"])  # every matrix (embeddings, projections, lm_head)
+    assert all(p.ndim == 1 for p in no_decay["params"])  # RMSNorm weights
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.model.parameters()))
+    assert conf["lr_scheduler"]["interval"] == "step"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)  # warmup starts at 0.1 x peak
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_warmup_longer_than_training_is_rejected(monkeypatch):
+    module = tiny_module()
+    trainer = _FakeTrainer()
+    trainer.estimated_stepping_batches = 2
+    monkeypatch.setattr(LlamaLM, "trainer", property(lambda self: trainer))
+    with pytest.raises(ConfigError, match="scheduler.warmup_steps=2"):
+        module.configure_optimizers()
+
+
+def test_activation_checkpointing_keeps_gradients_and_names():
+    torch.manual_seed(0)
+    plain, checkpointed = tiny_module(), tiny_module(activation_checkpointing=True)
+    checkpointed.model.load_state_dict(plain.model.state_dict())
+    assert plain.model.state_dict().keys() == checkpointed.model.state_dict().keys()
+    ids = torch.randint(0, 64, (2, 16))
+    for module in (plain, checkpointed):
+        module.model(ids).float().pow(2).mean().backward()
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), checkpointed.model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
+        (["model=tinyy"], "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_8b"),
+        (["strategy=zero"], "strategy=zero is not an option of config group 'strategy'; valid: auto, ddp"),
+        (["data/source=files"], "data.source.paths is required"),
+        (["model.num_attention_heads=3"], "model.num_attention_heads=3 must divide model.hidden_size=128"),
+        (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
+        (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_position_embeddings=1024"),
+        (["trainer.max_steps=abc"], "trainer.max_steps='abc' must be an integer"),
+        (["optimizer.lr=5"], "optimizer.lr=5 is out of range"),
+        (["optimizer.lr=0"], "optimizer.lr=0 is out of range"),
+        (["scheduler.warmup_steps=700"], "scheduler.warmup_steps=700 is not below trainer.max_steps=600"),
+        (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
+        (["global_batch_size=50", "data.batch_size=16"], "global_batch_size=50 is not a multiple of"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        preflight(CONF_DIR, "train", overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_requested_without_gpu():
+    with pytest.raises(ConfigError, match="trainer.accelerator=gpu but no GPU is visible"):
+        preflight(CONF_DIR, "train", ["trainer.accelerator=gpu"])
+
+
+def test_global_batch_derives_accumulation():
+    cfg = compose_train("global_batch_size=64", "data.batch_size=8", "trainer.accelerator=cpu", "trainer.devices=2")
+    check_config(cfg)
+    assert cfg.trainer.accumulate_grad_batches == 4
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama_180m", "llama3_2_1b", "llama3_8b"])
+def test_model_presets_validate_and_have_the_documented_size(preset):
+    from omegaconf import OmegaConf
+
+    from parallama.model import LlamaConfig
+
+    fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
+    fields["vocab_size"] = fields["vocab_size"] or 320
+    params = LlamaConfig(**fields).num_params()
+    expected = {"tiny": (0.8e6, 0.95e6), "llama_180m": (179e6, 180e6), "llama3_2_1b": (1.23e9, 1.24e9),
+                "llama3_8b": (8.0e9, 8.06e9)}[preset]
+    assert expected[0] <= params <= expected[1], params
+    assert math.isfinite(LlamaConfig(**fields).flops_per_token(512))

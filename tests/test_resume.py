@@ -1,0 +1,107 @@
+"""Long-run safety: kill -9 and SIGTERM mid-epoch, then resume, must lose and repeat nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import TINY, run_cli, train
+
+# Validation off the critical path; periodic checkpoints every 3 optimizer steps; ~250 batches per epoch,
+# so every stop below lands in the middle of the first epoch.
+LONG = ["trainer.max_steps=40", "trainer.val_check_interval=1000", "callbacks.last_checkpoint.every_n_train_steps=3"]
+
+
+def weights(ckpt) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def checkpoint_step(ckpt) -> int:
+    try:
+        return torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    except Exception:  # not written yet
+        return -1
+
+
+def start_training(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "parallama.train", *TINY, *LONG, f"paths.cache_dir={cache}",
+           f"hydra.run.dir={run_dir}", *args]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_checkpoint(proc, ckpt, min_step: int, timeout: float = 240) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        step = checkpoint_step(ckpt) if ckpt.exists() else -1
+        if step >= min_step:
+            return step
+        assert proc.poll() is None, f"training ended before step {min_step}:\n{proc.stdout.read()[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint at step >= {min_step} within {timeout}s")
+
+
+def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
+    train(*LONG, cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "straight")
+    expected = weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+
+    run = tmp_path / "killed"
+    proc = start_training(tmp_path, data_cache, run)
+    killed_at = wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=6)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert 6 <= killed_at < 40
+
+    train(*LONG, "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)  # finds this run's last.ckpt
+    final = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == 40
+    for name, tensor in expected.items():
+        assert torch.equal(final["state_dict"][name], tensor), name  # bitwise: no batch repeated or skipped
+
+
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(tmp_path, data_cache):
+    run = tmp_path / "run"
+    proc = start_training(tmp_path, data_cache, run, "trainer.max_steps=100000", "scheduler.warmup_steps=1")
+    wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM" in out and "resume with ckpt_path=last" in out
+    stopped_at = checkpoint_step(run / "checkpoints" / "last.ckpt")
+    assert stopped_at >= 3
+
+    train("trainer.max_steps=100000", f"trainer.max_steps={stopped_at + 2}", "ckpt_path=last", cwd=tmp_path,
+          cache=data_cache, run_dir=run)
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == stopped_at + 2
+
+
+def test_ckpt_path_last_finds_the_newest_earlier_run(tmp_path, data_cache):
+    first = train(cwd=tmp_path, cache=data_cache)  # under logs/train/runs/<timestamp>
+    assert first.returncode == 0
+    second = train("trainer.max_steps=6", "ckpt_path=last", cwd=tmp_path, cache=data_cache)
+    out = second.stdout + second.stderr
+    assert "Restoring states from the checkpoint path" in out and "/logs/train/runs/" in out
+
+
+def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, data_cache):
+    proc = train("+model.initializer_range=1e30", cwd=tmp_path, cache=data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert re.search(r"error: train/loss is (nan|inf) at step \d+: .*\(no checkpoint was written yet\)", out), out[-2000:]
+    assert "Traceback" not in out
+
+
+def test_truncated_checkpoint_names_the_file(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(cwd=tmp_path, cache=data_cache, run_dir=run)
+    broken = tmp_path / "broken.ckpt"
+    data = (run / "checkpoints" / "last.ckpt").read_bytes()
+    broken.write_bytes(data[: len(data) // 2])
+    proc = run_cli("parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and f"{broken}" in proc.stderr and "truncated or corrupt" in proc.stderr

@@ -1,0 +1,100 @@
+"""Every strategy trains multi-process on CPU (gloo) and ends with the same weights as one process.
+
+2 ranks x micro-batch 4 must equal 1 process x micro-batch 8 (and 1 x 4 with 2 accumulation steps), compared
+through `parallama-export`. Each case is its own subprocess: Lightning's ddp re-executes the command line.
+"""
+
+from __future__ import annotations
+
+import csv
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY, run_cli, train
+
+pytestmark = pytest.mark.multiprocess
+STRATEGIES = ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"]
+PARITY = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.precision=32-true", "seed=7"]
+
+
+def export(ckpt, out_dir, cwd):
+    run_cli("parallama.export", f"ckpt_path={ckpt}", f"out_dir={out_dir}", cwd=cwd)
+    return load_file(out_dir / "model.safetensors")
+
+
+def assert_same_weights(actual: dict, expected: dict):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def logged_steps(run_dir) -> list[int]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return sorted({int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache):
+    """One process, micro-batch 8: what every 2-rank strategy must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    train(*PARITY, "data.batch_size=8", cwd=tmp, cache=data_cache, run_dir=tmp / "run")
+    return export(tmp / "run" / "checkpoints" / "last.ckpt", tmp / "hf", tmp)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, data_cache):
+    run = tmp_path / "run"
+    proc = train(*PARITY, f"strategy={strategy}", "trainer.devices=2", cwd=tmp_path, cache=data_cache, run_dir=run)
+    assert "rank 0/2" in proc.stdout + proc.stderr
+    last = run / "checkpoints" / "last.ckpt"
+    weights = export(last, tmp_path / "hf", tmp_path)
+    assert_same_weights(weights, reference)
+
+    from transformers import LlamaForCausalLM  # the export is a real Hugging Face model folder
+
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.num_hidden_layers == 2
+
+    resumed = tmp_path / "resumed"
+    train(*PARITY, f"strategy={strategy}", "trainer.devices=2", "trainer.max_steps=5", f"ckpt_path={last}",
+          cwd=tmp_path, cache=data_cache, run_dir=resumed)
+    assert logged_steps(resumed)[0] >= 3  # continued from step 3, not from scratch
+    assert (resumed / "checkpoints" / "last.ckpt").exists()
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(reference, tmp_path, data_cache):
+    train(*PARITY, "data.batch_size=4", "trainer.accumulate_grad_batches=2", cwd=tmp_path, cache=data_cache,
+          run_dir=tmp_path / "run")
+    assert_same_weights(export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_on_localhost(reference, tmp_path, data_cache):
+    """Two 'nodes' of one process each, as torchrun launches them on a cluster (gloo over loopback)."""
+    port, run = free_port(), tmp_path / "run"
+    args = [*TINY, *PARITY, f"paths.cache_dir={data_cache}", f"hydra.run.dir={run}", "strategy=ddp",
+            "trainer.num_nodes=2", "trainer.devices=1"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "parallama.train", *args],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out[-4000:]
+    assert "rank 0/2" in outputs[0] and "rank 1/2" in outputs[1]
+    assert_same_weights(export(run / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference)

@@ -136,3 +136,16 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
                 "llama3_8b": (8.0e9, 8.06e9)}[preset]
     assert expected[0] <= params <= expected[1], params
     assert math.isfinite(LlamaConfig(**fields).flops_per_token(512))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy=ddp", "strategy.process_group_backend=nccl", "trainer.accelerator=cpu"], "process_group_backend=nccl needs GPUs"),
+        (["strategy=fsdp", "strategy.mixed_precision=fp16", "trainer.accelerator=cpu"], "mixed_precision=fp16 needs GPUs"),
+        (["trainer.accelerator=cpu", "trainer.devices=512"], "trainer.devices=512 CPU processes but this machine has"),
+    ],
+)
+def test_strategy_that_cannot_run_on_the_accelerator(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(CONF_DIR, "train", overrides)

@@ -10,7 +10,6 @@ import sys
 import time
 
 import torch
-
 from conftest import TINY, run_cli, train
 
 # Validation off the critical path; periodic checkpoints every 3 optimizer steps; ~250 batches per epoch,
@@ -105,3 +104,13 @@ def test_truncated_checkpoint_names_the_file(tmp_path, data_cache):
     broken.write_bytes(data[: len(data) // 2])
     proc = run_cli("parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and f"{broken}" in proc.stderr and "truncated or corrupt" in proc.stderr
+
+
+def test_resuming_a_checkpoint_of_another_model_shape_is_refused(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(cwd=tmp_path, cache=data_cache, run_dir=run)
+    proc = train("model.hidden_size=128", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path,
+                 cache=data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "was trained with model.hidden_size=64 but this run has model.hidden_size=128" in out
+    assert "Traceback" not in out

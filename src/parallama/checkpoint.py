@@ -37,10 +37,10 @@ class LoadedCheckpoint:
     meta: dict  # the rest of the client state: hyper_parameters, global_step, tokens_seen, ...
 
 
-def _torch_load(path: str | Path) -> dict:
+def _torch_load(path: str | Path, mmap: bool = False) -> dict:
     """Weights-only unpickling: Lightning's client state is plain containers, so nothing needs allow-listing."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # zip/pickle/EOF errors all mean the same to the user
         reason = str(err).strip().split(". ")[0].splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({reason})") from None
@@ -92,6 +92,33 @@ def _load_dcp(path: str) -> tuple[dict, dict]:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
     meta_file = Path(path, "meta.pt")
     return state_dict, _torch_load(meta_file) if meta_file.is_file() else {}
+
+
+def read_client_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's non-tensor state (hyper_parameters, counters, tokenizer), without reading the weights."""
+    path = str(path)
+    if os.path.isfile(path):
+        ckpt = _torch_load(path, mmap=True)  # tensors stay on disk
+        return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+    if os.path.exists(os.path.join(path, "latest")):
+        tag = Path(path, "latest").read_text().strip()
+        files = sorted(Path(path, tag).glob("*model_states.pt"))
+        return _torch_load(files[0], mmap=True) if files else {}
+    meta_file = Path(path, "meta.pt")
+    return _torch_load(meta_file) if meta_file.is_file() else {}
+
+
+def check_resumable(path: str | os.PathLike, model: dict) -> None:
+    """Resuming needs the same model shape; say which field differs instead of a state-dict traceback."""
+    saved = (read_client_state(path).get("hyper_parameters") or {}).get("model")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"ckpt_path={path} is not a parallama checkpoint (no hyper_parameters.model)")
+    for key, value in LlamaConfig(**saved).__dict__.items():
+        if model.get(key, value) != value:
+            raise ConfigError(
+                f"ckpt_path={path} was trained with model.{key}={value} but this run has model.{key}={model[key]}; "
+                "resume with the checkpoint's model settings"
+            )
 
 
 def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:

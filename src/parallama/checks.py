@@ -7,6 +7,7 @@ Each failure is a `ConfigError` whose one-line message names the key and what wo
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 
@@ -16,6 +17,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from parallama.errors import ConfigError
 
 _SKIP_PREFLIGHT = ("-", "hydra.", "hydra/", "+hydra", "~hydra")
+
+
+def auto_precision() -> str:
+    """`trainer.precision: ${auto_precision:}`: bf16 mixed precision where the GPU supports it, else fp32."""
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return "bf16-mixed" if cuda_bf16 else "32-true"
+
+
+OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 
 def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
@@ -85,6 +95,7 @@ def check_config(cfg: DictConfig) -> None:
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
     _check_devices(trainer)
+    _check_strategy(cfg)
     _resolve_global_batch(cfg)
 
 
@@ -151,6 +162,21 @@ def _check_devices(trainer: DictConfig) -> None:
     uses_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
     if uses_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    uses_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (
+        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+    )
+    backend = cfg.strategy.get("process_group_backend")
+    if backend == "nccl" and not uses_gpu:
+        raise ConfigError("strategy.process_group_backend=nccl needs GPUs; on CPU use gloo (or null to choose)")
+    if cfg.strategy.get("mixed_precision") == "fp16" and not uses_gpu:
+        raise ConfigError("strategy.mixed_precision=fp16 needs GPUs; on CPU use bf16 or null")
+    if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > (os.cpu_count() or 1):
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores"
+        )
 
 
 def _resolve_global_batch(cfg: DictConfig) -> None:

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import inspect
+import shutil
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -22,6 +24,37 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 def lightning_builtin(name: str = "auto") -> str:
     """A strategy Lightning knows by name (`auto`: one device, or DDP when several are given)."""
     return name
+
+
+class AtomicFolderCheckpoints:
+    """DeepSpeed and FSDP write a checkpoint as a folder, in place: a kill mid-write would leave a broken one.
+
+    Write it next to the target as `<name>.partial`, then swap it in; until the swap the previous checkpoint
+    stays whole (as `<name>` or, for an instant, `<name>.old`, which `ckpt_path=last` also finds).
+    """
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        path = Path(filepath)
+        partial, old = path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
+        if self.is_global_zero:
+            _remove(partial)
+        self.barrier("parallama_ckpt_clean")
+        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        self.barrier("parallama_ckpt_written")
+        if self.is_global_zero:
+            _remove(old)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)
+            _remove(old)
+        self.barrier("parallama_ckpt_swapped")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 class ShardedDDPStrategy(DDPStrategy):
@@ -44,7 +77,7 @@ class ShardedDDPStrategy(DDPStrategy):
         self.optimizers = sharded
 
 
-class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
+class CPUCapableDeepSpeedStrategy(AtomicFolderCheckpoints, DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy, minus its CUDA-only guard when the accelerator is the CPU.
 
     Lightning hands DeepSpeed the root device's index as the rank's device and checks it against the local
@@ -67,7 +100,7 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
         return "offload_optimizer" in self.config.get("zero_optimization", {})
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(AtomicFolderCheckpoints, ModelParallelStrategy):
     """FSDP2 over all ranks (pure data parallel, no tensor parallel); options read by parallelize.py.
 
     reshard_after_forward: True frees gathered parameters after each block's forward (ZeRO-3),

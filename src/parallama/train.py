@@ -15,19 +15,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
+from parallama.checks import check_config, preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path
 from parallama.loggers import continue_wandb_run
 
 log = logging.getLogger("parallama")
-
-
-def auto_precision() -> str:
-    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return "bf16-mixed" if cuda_bf16 else "32-true"
-
-
-OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 
 def instantiate_dict(node: DictConfig | None) -> list:
@@ -37,7 +30,6 @@ def instantiate_dict(node: DictConfig | None) -> list:
 
 def train(cfg: DictConfig) -> float | None:
     """Run one training job; returns the final `optimized_metric` (default val/loss), which sweeps optimize."""
-    from parallama.checks import check_config
     from parallama.module import LlamaLM
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -63,8 +55,9 @@ def train(cfg: DictConfig) -> float | None:
         init_from=cfg.init_from,
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name))
-    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: a resumed run logs to its checkpoint's W&B run
+    runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
+    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=hydra.utils.instantiate(cfg.strategy),
@@ -85,6 +78,10 @@ def train(cfg: DictConfig) -> float | None:
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
         f"lr {module.hparams.optimizer['lr']:g}"
     )
+    if ckpt_path is not None:
+        from parallama.checkpoint import check_resumable
+
+        check_resumable(ckpt_path, model_cfg)
     if cfg.validate_before_training and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -172,8 +169,6 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    from parallama.checks import preflight
-
     try:
         preflight(CONF_DIR, "train", sys.argv[1:])
     except ConfigError as err:

@@ -1,0 +1,163 @@
+"""`ddp-scaling` (CPU): tokens/s of 1 vs 2 single-threaded processes, plain DDP and parallama's path.
+
+Plain: a torch.distributed DDP loop (gloo, ranks forked with torch.multiprocessing) with the overhead
+benchmark's training loop and a DistributedSampler over the same token cache; 1 process runs the model
+without DDP. parallama: `parallama-train trainer.devices=1` vs `strategy=ddp trainer.devices=2`, as
+subprocesses, reading `train/device/items_per_sec` (the ThroughputMonitor, its window spanning exactly the
+timed steps) from csv/metrics.csv; total = per-device x world size. Every process runs one thread
+(OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the forked ranks) on the same per-rank
+micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats`
+rounds; ratios are medians of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.common import ROOT, datamodule, machine, median, preset, print_machine, quiet, save
+
+GOAL = 1.85
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from bench.overhead import train_loop
+    from parallama.model import Llama, LlamaConfig
+
+    torch.set_num_threads(1)
+    dm = datamodule(args.cache_dir, args.seq_len, args.batch)
+    dataset = dm.datasets["train"]
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**preset(args.model, dm.vocab_size)))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        model = DistributedDataParallel(model)
+    steps_per_s, _ = train_loop(model, loader, args, torch.device("cpu"))
+    if rank == 0:
+        queue.put(steps_per_s * args.batch * args.seq_len * world)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def plain(args, world: int) -> float:
+    """Total tokens/s of `world` single-threaded ranks."""
+    ctx = mp.get_context("fork")  # children inherit the imports: seconds less per run than spawn
+    queue, port = ctx.SimpleQueue(), _free_port()
+    procs = [ctx.Process(target=_plain_rank, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"plain DDP rank failed: exit codes {[p.exitcode for p in procs]}")
+    return queue.get()
+
+
+def parallama(args, world: int) -> float:
+    """Total tokens/s of `parallama-train` on `world` single-threaded CPU ranks."""
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "parallama.train",
+            *(["strategy=ddp"] if world > 1 else []),
+            f"trainer.devices={world}",
+            "trainer.accelerator=cpu",
+            "trainer.precision=32-true",
+            f"trainer.max_steps={total}",
+            f"trainer.log_every_n_steps={math.gcd(args.warmup, args.steps)}",  # logs at the last step
+            "trainer.limit_val_batches=0",
+            "+trainer.enable_checkpointing=false",
+            "+trainer.enable_progress_bar=false",
+            "+trainer.enable_model_summary=false",
+            "callbacks=none",  # no checkpoint writes inside the timed steps; only the throughput monitor
+            "+callbacks.throughput._target_=parallama.callbacks.TokenThroughputMonitor",
+            f"+callbacks.throughput.window_size={args.steps + 1}",
+            f"model={args.model}",
+            f"data.batch_size={args.batch}",
+            f"data.seq_len={args.seq_len}",
+            f"scheduler.warmup_steps={max(1, total // 10)}",
+            "validate_before_training=false",
+            "sample.max_new_tokens=0",
+            f"paths.cache_dir={Path(args.cache_dir).resolve()}",
+            f"hydra.run.dir={tmp}",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        with open(Path(tmp) / "csv" / "metrics.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("train/device/items_per_sec")]
+    if not rows:
+        raise RuntimeError("metrics.csv has no train/device/items_per_sec: too few steps for the window")
+    last = max(rows, key=lambda r: int(r["train/batches"]))
+    if int(last["train/batches"]) != total:
+        raise RuntimeError(f"throughput last logged after batch {last['train/batches']}, not {total}")
+    return float(last["train/device/items_per_sec"]) * world
+
+
+def run(args) -> dict:
+    quiet()
+    info = machine()
+    print_machine(info)
+    datamodule(args.cache_dir, args.seq_len, args.batch)  # build the cache once, before any rank reads it
+    print(
+        f"# ddp-scaling: model={args.model} per-rank batch={args.batch} seq_len={args.seq_len}, "
+        f"{args.warmup} warmup + {args.steps} timed steps, 1 thread per process, {args.repeats} rounds"
+    )
+    arms = {"plain": plain, "parallama": parallama}
+    rates = {f"{name} x{w}": [] for name in arms for w in (1, 2)}
+    for r in range(args.repeats):
+        for name, fn in arms.items():
+            for w in (1, 2):
+                rates[f"{name} x{w}"].append(fn(args, w))
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s")
+
+    def ratio(a: str, b: str) -> float:
+        return median([x / y for x, y in zip(rates[a], rates[b], strict=True)])
+
+    scaling = {name: ratio(f"{name} x2", f"{name} x1") for name in arms}
+    results = {"config": vars(args), "tokens_per_s": rates, "scaling": scaling}
+    results["parallama_over_plain"] = {f"x{w}": ratio(f"parallama x{w}", f"plain x{w}") for w in (1, 2)}
+    print(f"\n{'path':<12} {'1 proc tok/s':>13} {'2 procs tok/s':>14} {'scaling':>8}")
+    for name in arms:
+        one, two = median(rates[f"{name} x1"]), median(rates[f"{name} x2"])
+        print(f"{name:<12} {one:>13,.0f} {two:>14,.0f} {scaling[name]:>7.2f}x")
+    po = results["parallama_over_plain"]
+    print(f"\nparallama / plain tokens/s: 1 process {po['x1']:.3f}, 2 processes {po['x2']:.3f}")
+    met = "met" if scaling["parallama"] >= GOAL else "NOT met"
+    print(f"parallama 2-process scaling {scaling['parallama']:.2f}x: goal >= {GOAL}x {met}")
+    save(args.out, "ddp-scaling", info, results)
+    return results
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="a conf/model preset")
+    p.add_argument("--batch", type=int, default=16, help="per-rank micro-batch")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per run (>= 1)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds")
+    p.set_defaults(precision="32-true")  # read by the shared training loop

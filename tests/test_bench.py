@@ -1,0 +1,63 @@
+"""Smoke test of `python -m bench`: each CPU benchmark runs with tiny settings and reports in its format.
+Performance is not checked here (see docs/benchmarks.md); the overhead benchmark's loss check is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from bench.__main__ import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def run(capsys, tmp_path, cache: str, *argv: str) -> tuple[str, dict]:
+    out = tmp_path / "result.json"
+    main([*argv, "--cache-dir", cache, "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "# cpu: " in text and "torch " in text  # absolute numbers come with the machine
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == argv[0] and result["machine"]["torch"] == torch.__version__
+    return text, result
+
+
+def test_overhead(capsys, tmp_path, cache):
+    tiny = ["--warmup", "1", "--steps", "2", "--repeats", "1", "--batch", "2", "--seq-len", "32"]
+    text, result = run(capsys, tmp_path, cache, "overhead", *tiny)
+    assert set(result["arms"]) == {"plain", "lightning", "lightning+default_callbacks"}
+    assert all(len(v) == 1 for v in result["steps_per_s"].values())
+    assert all(arm["same_loss"] for arm in result["arms"].values()), result["final_loss"]
+    assert "Lightning path overhead:" in text
+
+
+def test_data(capsys, tmp_path, cache):
+    tiny = ["--corpus", "prose", "--max-documents", "12", "--bpe-vocab", "300", "--seq-len", "32"]
+    tiny += ["--batch", "2", "--batches", "3", "--warmup-batches", "1", "--repeats", "1"]
+    text, result = run(capsys, tmp_path, cache, "data", *tiny)
+    assert set(result["tokenizer_tokens_per_s"]) == {"byte_level", "bpe_300"}
+    assert len(result["loader_tokens_per_s"]) == 4 and min(result["loader_tokens_per_s"].values()) > 0
+    assert 4e5 < result["goal"]["tokens_per_s"] < 6e5  # llama_180m at 45% of 989 TFLOP/s
+    assert "worst headroom" in text
+
+
+@pytest.mark.multiprocess
+def test_ddp_scaling(capsys, tmp_path, cache):
+    tiny = ["--warmup", "1", "--steps", "2", "--repeats", "1", "--batch", "2", "--seq-len", "32"]
+    text, result = run(capsys, tmp_path, cache, "ddp-scaling", *tiny)
+    assert set(result["tokens_per_s"]) == {"plain x1", "plain x2", "parallama x1", "parallama x2"}
+    assert all(v[0] > 0 for v in result["tokens_per_s"].values())
+    assert set(result["scaling"]) == {"plain", "parallama"} and "scaling" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the full ~10 minute benchmark")
+def test_gpu_without_cuda_exits_cleanly(capsys):
+    main(["gpu"])
+    assert "no CUDA device" in capsys.readouterr().out

@@ -29,18 +29,35 @@ TINY = [
 ]
 
 
-def run_cli(module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb"))
+def run_cli(
+    module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
+    }
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
-def train(*args: str, cwd: Path, cache: Path, run_dir: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
+def train(
+    *args: str, cwd: Path, cache: Path, run_dir: Path | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     extra = [f"paths.cache_dir={cache}"] + ([f"hydra.run.dir={run_dir}"] if run_dir else [])
     return run_cli("parallama.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 
 import pytest
-
 from conftest import run_cli, train
 
 
@@ -40,10 +39,19 @@ def test_train_writes_checkpoints_logs_config_and_a_sample(tmp_path, data_cache)
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["trainer.max_stepz=3"], "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
+        (
+            ["trainer.max_stepz=3"],
+            "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
+        ),
         (["data.source.corpus=poetry"], "error: data.source.corpus='poetry' is unknown; valid: prose, code"),
-        (["data/source=files", "data.source.paths=/nonexistent/*.txt"], "data.source.paths='/nonexistent/*.txt' matches no file"),
-        (["tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=320"], "the tokenizer has 400 tokens but model.vocab_size=320"),
+        (
+            ["data/source=files", "data.source.paths=/nonexistent/*.txt"],
+            "data.source.paths='/nonexistent/*.txt' matches no file",
+        ),
+        (
+            ["tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=320"],
+            "the tokenizer has 400 tokens but model.vocab_size=320",
+        ),
     ],
 )
 def test_bad_input_fails_with_one_line(tmp_path, data_cache, args, message):

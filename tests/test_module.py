@@ -29,7 +29,9 @@ def test_schedule_warmup_peak_end():
 
 
 def tiny_module(**overrides) -> LlamaLM:
-    model = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
     optimizer = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None)
     scheduler = dict(warmup_steps=2, warmup_start_factor=0.1, min_lr_ratio=0.0)
     module = LlamaLM(model=model, optimizer=optimizer, scheduler=scheduler, **overrides)
@@ -89,12 +91,21 @@ def compose_train(*overrides: str):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
-        (["model=tinyy"], "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_8b"),
+        (
+            ["trainer.max_stepz=3"],
+            "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
+        ),
+        (
+            ["model=tinyy"],
+            "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_8b",
+        ),
         (["strategy=zero"], "strategy=zero is not an option of config group 'strategy'; valid: auto, ddp"),
         (["data/source=files"], "data.source.paths is required"),
         (["model.num_attention_heads=3"], "model.num_attention_heads=3 must divide model.hidden_size=128"),
-        (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
+        (
+            ["model.num_key_value_heads=3"],
+            "model.num_key_value_heads=3 must divide model.num_attention_heads=4",
+        ),
         (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_position_embeddings=1024"),
         (["trainer.max_steps=abc"], "trainer.max_steps='abc' must be an integer"),
         (["optimizer.lr=5"], "optimizer.lr=5 is out of range"),
@@ -118,7 +129,9 @@ def test_gpu_requested_without_gpu():
 
 
 def test_global_batch_derives_accumulation():
-    cfg = compose_train("global_batch_size=64", "data.batch_size=8", "trainer.accelerator=cpu", "trainer.devices=2")
+    cfg = compose_train(
+        "global_batch_size=64", "data.batch_size=8", "trainer.accelerator=cpu", "trainer.devices=2"
+    )
     check_config(cfg)
     assert cfg.trainer.accumulate_grad_batches == 4
 
@@ -132,8 +145,12 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
     fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
     fields["vocab_size"] = fields["vocab_size"] or 320
     params = LlamaConfig(**fields).num_params()
-    expected = {"tiny": (0.8e6, 0.95e6), "llama_180m": (179e6, 180e6), "llama3_2_1b": (1.23e9, 1.24e9),
-                "llama3_8b": (8.0e9, 8.06e9)}[preset]
+    expected = {
+        "tiny": (0.8e6, 0.95e6),
+        "llama_180m": (179e6, 180e6),
+        "llama3_2_1b": (1.23e9, 1.24e9),
+        "llama3_8b": (8.0e9, 8.06e9),
+    }[preset]
     assert expected[0] <= params <= expected[1], params
     assert math.isfinite(LlamaConfig(**fields).flops_per_token(512))
 
@@ -141,11 +158,30 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["strategy=ddp", "strategy.process_group_backend=nccl", "trainer.accelerator=cpu"], "process_group_backend=nccl needs GPUs"),
-        (["strategy=fsdp", "strategy.mixed_precision=fp16", "trainer.accelerator=cpu"], "mixed_precision=fp16 needs GPUs"),
-        (["trainer.accelerator=cpu", "trainer.devices=512"], "trainer.devices=512 CPU processes but this machine has"),
+        (
+            ["strategy=ddp", "strategy.process_group_backend=nccl", "trainer.accelerator=cpu"],
+            "process_group_backend=nccl needs GPUs",
+        ),
+        (
+            ["strategy=fsdp", "strategy.mixed_precision=fp16", "trainer.accelerator=cpu"],
+            "mixed_precision=fp16 needs GPUs",
+        ),
+        (
+            ["trainer.accelerator=cpu", "trainer.devices=512"],
+            "trainer.devices=512 CPU processes but this machine has",
+        ),
     ],
 )
 def test_strategy_that_cannot_run_on_the_accelerator(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(CONF_DIR, "train", overrides)
+
+
+def test_compiled_blocks_match_eager():
+    """`compile=true` compiles each decoder block in place (inductor on CPU needs a C++ compiler: gcc here)."""
+    torch.manual_seed(0)
+    eager, compiled = tiny_module(), tiny_module(compile=True)
+    compiled.model.load_state_dict(eager.model.state_dict())
+    assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
+    ids = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(compiled.model(ids), eager.model(ids), rtol=1e-4, atol=1e-4)

@@ -14,7 +14,11 @@ from conftest import TINY, run_cli, train
 
 # Validation off the critical path; periodic checkpoints every 3 optimizer steps; ~250 batches per epoch,
 # so every stop below lands in the middle of the first epoch.
-LONG = ["trainer.max_steps=40", "trainer.val_check_interval=1000", "callbacks.last_checkpoint.every_n_train_steps=3"]
+LONG = [
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=1000",
+    "callbacks.last_checkpoint.every_n_train_steps=3",
+]
 
 
 def weights(ckpt) -> dict:
@@ -30,9 +34,19 @@ def checkpoint_step(ckpt) -> int:
 
 def start_training(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "parallama.train", *TINY, *LONG, f"paths.cache_dir={cache}",
-           f"hydra.run.dir={run_dir}", *args]
-    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "parallama.train",
+        *TINY,
+        *LONG,
+        f"paths.cache_dir={cache}",
+        f"hydra.run.dir={run_dir}",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def wait_for_checkpoint(proc, ckpt, min_step: int, timeout: float = 240) -> int:
@@ -75,8 +89,14 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(tmp_path, data_cac
     stopped_at = checkpoint_step(run / "checkpoints" / "last.ckpt")
     assert stopped_at >= 3
 
-    train("trainer.max_steps=100000", f"trainer.max_steps={stopped_at + 2}", "ckpt_path=last", cwd=tmp_path,
-          cache=data_cache, run_dir=run)
+    train(
+        "trainer.max_steps=100000",
+        f"trainer.max_steps={stopped_at + 2}",
+        "ckpt_path=last",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=run,
+    )
     assert checkpoint_step(run / "checkpoints" / "last.ckpt") == stopped_at + 2
 
 
@@ -92,7 +112,9 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, dat
     proc = train("+model.initializer_range=1e30", cwd=tmp_path, cache=data_cache, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-3000:]
-    assert re.search(r"error: train/loss is (nan|inf) at step \d+: .*\(no checkpoint was written yet\)", out), out[-2000:]
+    assert re.search(
+        r"error: train/loss is (nan|inf) at step \d+: .*\(no checkpoint was written yet\)", out
+    ), out[-2000:]
     assert "Traceback" not in out
 
 
@@ -102,15 +124,25 @@ def test_truncated_checkpoint_names_the_file(tmp_path, data_cache):
     broken = tmp_path / "broken.ckpt"
     data = (run / "checkpoints" / "last.ckpt").read_bytes()
     broken.write_bytes(data[: len(data) // 2])
-    proc = run_cli("parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False)
+    proc = run_cli(
+        "parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False
+    )
     assert proc.returncode == 2 and f"{broken}" in proc.stderr and "truncated or corrupt" in proc.stderr
 
 
 def test_resuming_a_checkpoint_of_another_model_shape_is_refused(tmp_path, data_cache):
     run = tmp_path / "run"
     train(cwd=tmp_path, cache=data_cache, run_dir=run)
-    proc = train("model.hidden_size=128", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path,
-                 cache=data_cache, check=False)
+    proc = train(
+        "model.hidden_size=128",
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and "was trained with model.hidden_size=64 but this run has model.hidden_size=128" in out
+    assert (
+        proc.returncode == 2
+        and "was trained with model.hidden_size=64 but this run has model.hidden_size=128" in out
+    )
     assert "Traceback" not in out

@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import TINY, run_cli, train
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"]
@@ -46,10 +45,18 @@ def reference(tmp_path_factory, data_cache):
     return export(tmp / "run" / "checkpoints" / "last.ckpt", tmp / "hf", tmp)
 
 
+VARIANTS = {
+    "deepspeed": ["strategy.stage=1"],
+    "fsdp": ["strategy.reshard_after_forward=false", "activation_checkpointing=true"],
+}
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, data_cache):
     run = tmp_path / "run"
-    proc = train(*PARITY, f"strategy={strategy}", "trainer.devices=2", cwd=tmp_path, cache=data_cache, run_dir=run)
+    proc = train(
+        *PARITY, f"strategy={strategy}", "trainer.devices=2", cwd=tmp_path, cache=data_cache, run_dir=run
+    )
     assert "rank 0/2" in proc.stdout + proc.stderr
     last = run / "checkpoints" / "last.ckpt"
     weights = export(last, tmp_path / "hf", tmp_path)
@@ -61,16 +68,63 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
     assert hf.config.num_hidden_layers == 2
 
     resumed = tmp_path / "resumed"
-    train(*PARITY, f"strategy={strategy}", "trainer.devices=2", "trainer.max_steps=5", f"ckpt_path={last}",
-          cwd=tmp_path, cache=data_cache, run_dir=resumed)
+    train(
+        *PARITY,
+        f"strategy={strategy}",
+        "trainer.devices=2",
+        "trainer.max_steps=5",
+        f"ckpt_path={last}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=resumed,
+    )
     assert logged_steps(resumed)[0] >= 3  # continued from step 3, not from scratch
     assert (resumed / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.parametrize("strategy", sorted(VARIANTS))
+def test_variants_match_too(strategy, reference, tmp_path, data_cache):
+    """DeepSpeed ZeRO-1; FSDP keeping gathered weights (ZeRO-2-like) with activation checkpointing."""
+    train(
+        *PARITY,
+        f"strategy={strategy}",
+        *VARIANTS[strategy],
+        "trainer.devices=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+    )
+    assert_same_weights(
+        export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference
+    )
+
+
+def test_fsdp_meta_init_trains(tmp_path, data_cache):
+    """Meta-device build + per-shard init: for models whose full copy does not fit in host memory."""
+    proc = train(
+        "strategy=fsdp",
+        "strategy.meta_init=true",
+        "trainer.devices=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+    )
+    metrics = (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    assert "nan" not in metrics and "rank 0/2" in proc.stdout + proc.stderr
+
+
 def test_gradient_accumulation_matches_a_bigger_batch(reference, tmp_path, data_cache):
-    train(*PARITY, "data.batch_size=4", "trainer.accumulate_grad_batches=2", cwd=tmp_path, cache=data_cache,
-          run_dir=tmp_path / "run")
-    assert_same_weights(export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference)
+    train(
+        *PARITY,
+        "data.batch_size=4",
+        "trainer.accumulate_grad_batches=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+    )
+    assert_same_weights(
+        export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference
+    )
 
 
 def free_port() -> int:
@@ -82,14 +136,36 @@ def free_port() -> int:
 def test_torchrun_two_nodes_on_localhost(reference, tmp_path, data_cache):
     """Two 'nodes' of one process each, as torchrun launches them on a cluster (gloo over loopback)."""
     port, run = free_port(), tmp_path / "run"
-    args = [*TINY, *PARITY, f"paths.cache_dir={data_cache}", f"hydra.run.dir={run}", "strategy=ddp",
-            "trainer.num_nodes=2", "trainer.devices=1"]
+    args = [
+        *TINY,
+        *PARITY,
+        f"paths.cache_dir={data_cache}",
+        f"hydra.run.dir={run}",
+        "strategy=ddp",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+    ]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "parallama.train", *args],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "parallama.train",
+                *args,
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in (0, 1)
     ]

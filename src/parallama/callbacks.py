@@ -72,5 +72,5 @@ class LastCheckpoint(ModelCheckpoint):
         )
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._last_global_step_saved != trainer.global_step:
+        if not self._should_skip_saving_checkpoint(trainer):  # skips fast_dev_run and an already-saved step
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

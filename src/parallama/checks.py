@@ -37,11 +37,14 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
         return
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = [arg for arg in argv if not arg.startswith(_SKIP_PREFLIGHT[1:])]
     try:
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides)):
+            return  # a sweep (hydra.mode=MULTIRUN a=1,2): each job is checked when it starts
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
             defaults = compose(config_name)
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
@@ -170,7 +173,9 @@ def _check_strategy(cfg: DictConfig) -> None:
     )
     backend = cfg.strategy.get("process_group_backend")
     if backend == "nccl" and not uses_gpu:
-        raise ConfigError("strategy.process_group_backend=nccl needs GPUs; on CPU use gloo (or null to choose)")
+        raise ConfigError(
+            "strategy.process_group_backend=nccl needs GPUs; on CPU use gloo (or null to choose)"
+        )
     if cfg.strategy.get("mixed_precision") == "fp16" and not uses_gpu:
         raise ConfigError("strategy.mixed_precision=fp16 needs GPUs; on CPU use bf16 or null")
     if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > (os.cpu_count() or 1):

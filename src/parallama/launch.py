@@ -3,13 +3,18 @@
 Lightning's `ddp` starts ranks > 0 by re-running `sys.argv`. Under a Hydra sweep (`-m a=1,2`) that re-runs the
 whole sweep in every child, and under the Optuna sweeper every child runs its own study with other
 hyper-parameters. `patch_ddp_relaunch` makes each child run exactly its parent's job instead: the job's own
-overrides, in the job's own directory, never in multirun mode.
+overrides, in the job's own directory, never in multirun mode. `JobIsolation` (a Hydra callback, see
+conf/hydra/default.yaml) closes each job's process group and environment so that the next job of a sweep starts
+its own ranks instead of joining the finished job's.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 from parallama.errors import ConfigError
 
@@ -28,6 +33,7 @@ def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
         f'hydra.run.dir="{hc.runtime.output_dir}"',
         f"hydra.job.name=train_ddp_process_{local_rank}",
         "hydra.output_subdir=null",
+        "hydra.mode=RUN",  # a search preset may set MULTIRUN
     ]
     return command, get_original_cwd()
 
@@ -41,17 +47,49 @@ def patch_ddp_relaunch() -> None:
     pytorch_launcher._hydra_subprocess_cmd = ddp_child_command
 
 
+# Set in os.environ by Lightning's launchers (and WANDB_MODE by its offline WandbLogger) for the job under way.
+JOB_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "WANDB_MODE")
+
+
+class JobIsolation(Callback):
+    """Each job of a sweep starts as the first did: no process group open, no rank variables left behind.
+
+    Otherwise the next job joins the finished job's (gone) process group, and with LOCAL_RANK set Lightning
+    would not start its ranks at all.
+    """
+
+    def on_job_start(self, config, **kwargs) -> None:
+        self.environ = {key: os.environ.get(key) for key in JOB_ENV}
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in self.environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
     """`last`: this run's last checkpoint, else the newest `last` checkpoint of any earlier run under runs_root."""
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
         if not Path(ckpt_path).exists():
-            raise ConfigError(f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)")
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
+            )
         return str(Path(ckpt_path).resolve())
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
-    if own.exists():
-        return str(own)
+    for candidate in (
+        own,
+        own.with_name("last.ckpt.old"),
+    ):  # .old: killed while swapping in a folder checkpoint
+        if candidate.exists():
+            return str(candidate)
     candidates = sorted(Path(runs_root).glob("**/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise ConfigError(f"ckpt_path=last but no checkpoints/last*.ckpt exists under {runs_root}")

@@ -16,7 +16,9 @@ from parallama.model import Llama, LlamaConfig
 from parallama.parallelize import parallelize
 
 
-def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, start_factor: float, min_ratio: float) -> float:
+def warmup_cosine(
+    step: int, *, warmup_steps: int, total_steps: int, start_factor: float, min_ratio: float
+) -> float:
     """LR multiplier: linear from start_factor to 1 over warmup_steps, then cosine down to min_ratio at total_steps."""
     if step < warmup_steps:
         return start_factor + (1.0 - start_factor) * step / warmup_steps

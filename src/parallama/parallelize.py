@@ -17,7 +17,11 @@ from parallama.model import Llama
 
 
 def parallelize(
-    model: Llama, strategy: object | None = None, *, compile: bool = False, activation_checkpointing: bool = False
+    model: Llama,
+    strategy: object | None = None,
+    *,
+    compile: bool = False,
+    activation_checkpointing: bool = False,
 ) -> Llama:
     if activation_checkpointing:
         for block in model.layers:

@@ -137,7 +137,9 @@ def report(trainer: L.Trainer, output_dir: str, sample: str | None) -> None:
         if not isinstance(ckpt, ModelCheckpoint):
             continue
         if ckpt.monitor:
-            lines.append(f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})")
+            lines.append(
+                f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
+            )
         if ckpt.last_model_path:
             lines.append(f"last checkpoint: {ckpt.last_model_path}")
     for logger in trainer.loggers:

@@ -203,7 +203,9 @@ class TextDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = ResumableDistributedSampler(self.datasets["train"], world, rank, shuffle=True, seed=self.seed)
+        sampler = ResumableDistributedSampler(
+            self.datasets["train"], world, rank, shuffle=True, seed=self.seed
+        )
         if self._resume_state:
             sampler.load_state_dict(self._resume_state)  # skip what was trained on before the checkpoint
             self._resume_state = None

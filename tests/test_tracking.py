@@ -1,0 +1,114 @@
+"""W&B and the other loggers: offline without an API key, config and metrics logged, resume continues the run."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import train
+from wandb.proto import wandb_internal_pb2
+
+from parallama.loggers import checkpoint_entry, wandb_logger
+
+
+@pytest.fixture(autouse=True)
+def no_wandb_account(tmp_path, monkeypatch):
+    """A HOME without `wandb login`'s netrc: W&B must pick offline mode by itself, and nothing touches ~."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a `.wandb` file: a LevelDB-style log (7-byte file header, 32 KiB blocks, each
+    record in chunks behind a 7-byte header: crc32, length, type full=1/first=2/middle=3/last=4)."""
+    data, records, chunk, pos, block = path.read_bytes(), [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little left in this block for a header: padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(chunk))
+            chunk = b""
+    return records
+
+
+def wandb_run(run_dir: Path) -> dict:
+    """The one offline W&B run of a run directory: id, group, tags, config and logged history."""
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    run = {"config": {}, "history": []}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run.update(id=record.run.run_id, group=record.run.run_group, tags=list(record.run.tags))
+        elif kind == "config":
+            run["config"].update({item.key: json.loads(item.value_json) for item in record.config.update})
+        elif kind == "history":
+            run["history"].append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
+    return run
+
+
+def test_wandb_offline_logs_config_metrics_and_run_id(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = train("logger=many", "tags=[t1,t2]", cwd=tmp_path, cache=data_cache, run_dir=run_dir)
+    assert "logging offline" in proc.stdout + proc.stderr
+    run = wandb_run(run_dir)
+    assert run["group"] == "train" and run["tags"] == ["t1", "t2"]
+    assert run["config"]["config"]["optimizer"]["lr"] == 3e-3  # the resolved config
+    assert run["config"]["model/params"] > 0 and run["config"]["model/flops_per_token"] > 0
+    logged = {key for row in run["history"] for key in row}
+    assert {"train/loss", "val/loss", "lr-AdamW/pg1"} <= logged
+    assert checkpoint_entry(run_dir / "checkpoints" / "last.ckpt", "wandb_run_id") == run["id"]
+    assert (run_dir / "csv" / "metrics.csv").exists()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resume_continues_the_wandb_run(tmp_path, data_cache):
+    first, second = tmp_path / "first", tmp_path / "second"
+    short = ["logger=[csv,wandb]", "trainer.max_steps=2"]
+    train(*short, cwd=tmp_path, cache=data_cache, run_dir=first)
+    train(
+        short[0],
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=second,
+    )
+    run_id = wandb_run(first)["id"]
+    assert wandb_run(second)["id"] == run_id
+    assert checkpoint_entry(second / "checkpoints" / "last.ckpt", "wandb_run_id") == run_id
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_checkpoint_entry_reads_files_and_sharded_folders(tmp_path):
+    deepspeed, dcp = tmp_path / "ds.ckpt", tmp_path / "dcp.ckpt"
+    (deepspeed / "checkpoint").mkdir(parents=True)
+    dcp.mkdir()
+    torch.save({"wandb_run_id": "a", "state_dict": {}}, tmp_path / "file.ckpt")
+    torch.save({"wandb_run_id": "b"}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
+    torch.save({"wandb_run_id": "c"}, dcp / "meta.pt")
+    assert [checkpoint_entry(p, "wandb_run_id") for p in (tmp_path / "file.ckpt", deepspeed, dcp)] == [
+        "a",
+        "b",
+        "c",
+    ]
+    assert checkpoint_entry(tmp_path / "file.ckpt", "missing") is None
+
+
+def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):
+    assert wandb_logger(save_dir=str(tmp_path))._wandb_init["mode"] == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_logger(save_dir=str(tmp_path))._wandb_init["mode"] == "online"
+    assert wandb_logger(mode="disabled", save_dir=str(tmp_path))._wandb_init["mode"] == "disabled"

@@ -110,7 +110,7 @@ def compose_train(*overrides: str):
         (["trainer.max_steps=abc"], "trainer.max_steps='abc' must be an integer"),
         (["optimizer.lr=5"], "optimizer.lr=5 is out of range"),
         (["optimizer.lr=0"], "optimizer.lr=0 is out of range"),
-        (["scheduler.warmup_steps=700"], "scheduler.warmup_steps=700 is not below trainer.max_steps=600"),
+        (["scheduler.warmup_steps=700"], "scheduler.warmup_steps=700 is not below trainer.max_steps=500"),
         (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
         (["global_batch_size=50", "data.batch_size=16"], "global_batch_size=50 is not a multiple of"),
     ],

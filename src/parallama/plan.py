@@ -37,7 +37,7 @@ class Strategy:
 DS, OFFLOAD = "strategy=deepspeed strategy.stage=", " strategy.offload_optimizer=true"
 STRATEGIES = {
     "ddp": Strategy("strategy=ddp", "autocast"),
-    "ddp_sharded": Strategy("strategy=ddp_sharded ++strategy.gradient_as_bucket_view=true", "autocast", "o"),
+    "ddp_sharded": Strategy("strategy=ddp_sharded", "autocast", "o"),
     "deepspeed_1": Strategy(DS + "1", "deepspeed", "o"),
     "deepspeed_2": Strategy(DS + "2", "deepspeed", "go"),
     "fsdp_zero2": Strategy(

@@ -34,7 +34,7 @@ def peak_logged_lr(job) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"])
 def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strategy):
     lrs = [1e-3, 2e-3]
     args = [f"strategy={strategy}", "trainer.devices=2", "optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]"]

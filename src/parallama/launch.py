@@ -65,7 +65,11 @@ class JobIsolation(Callback):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            ds_comm = sys.modules.get("deepspeed.comm.comm")
+            if ds_comm is not None and ds_comm.cdb is not None:
+                ds_comm.destroy_process_group()  # DeepSpeed also drops the groups it cached for this job
+            else:
+                dist.destroy_process_group()
         for key, value in self.environ.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -139,7 +139,10 @@ class LlamaLM(L.LightningModule):
             min_ratio=sched["min_lr_ratio"],
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # An explicit name keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms) the same under every
+        # strategy; LearningRateMonitor would otherwise use the wrapper's class (ZeroRedundancyOptimizer).
+        lr_schedule = {"scheduler": scheduler, "interval": "step", "name": "lr-AdamW"}
+        return {"optimizer": optimizer, "lr_scheduler": lr_schedule}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen

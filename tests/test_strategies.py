@@ -45,9 +45,17 @@ def reference(tmp_path_factory, data_cache):
     return export(tmp / "run" / "checkpoints" / "last.ckpt", tmp / "hf", tmp)
 
 
-VARIANTS = {
-    "deepspeed": ["strategy.stage=1"],
-    "fsdp": ["strategy.reshard_after_forward=false", "activation_checkpointing=true"],
+VARIANTS = {  # id: overrides
+    "deepspeed_zero3": ["strategy=deepspeed", "strategy.stage=3"],
+    "deepspeed_offload_optimizer": [
+        "strategy=deepspeed",
+        "strategy.offload_optimizer=true",
+    ],  # DeepSpeedCPUAdam
+    "fsdp_zero2_checkpointing": [
+        "strategy=fsdp",
+        "strategy.reshard_after_forward=false",
+        "activation_checkpointing=true",
+    ],
 }
 
 
@@ -82,13 +90,12 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
     assert (resumed / "checkpoints" / "last.ckpt").exists()
 
 
-@pytest.mark.parametrize("strategy", sorted(VARIANTS))
-def test_variants_match_too(strategy, reference, tmp_path, data_cache):
-    """DeepSpeed ZeRO-1; FSDP keeping gathered weights (ZeRO-2-like) with activation checkpointing."""
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_match_too(variant, reference, tmp_path, data_cache):
+    """ZeRO-3 (parameters sharded too), optimizer offload, FSDP keeping gathered weights + checkpointing."""
     train(
         *PARITY,
-        f"strategy={strategy}",
-        *VARIANTS[strategy],
+        *VARIANTS[variant],
         "trainer.devices=2",
         cwd=tmp_path,
         cache=data_cache,

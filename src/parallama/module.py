@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import lightning as L
@@ -24,6 +24,21 @@ def warmup_cosine(
         return start_factor + (1.0 - start_factor) * step / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@contextmanager
+def _gathered_if_zero3(model: torch.nn.Module):
+    """Under DeepSpeed ZeRO-3 Lightning builds the model inside `deepspeed.zero.Init`, which partitions each
+    parameter as soon as its module exists. Yields True with full tensors gathered (rank 0's writes are then
+    scattered to every rank), else False and nothing happens."""
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield False
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        yield True
 
 
 class LlamaLM(L.LightningModule):
@@ -56,10 +71,13 @@ class LlamaLM(L.LightningModule):
             model = Llama(self.config)
         if self.hparams.init_from and meta_init:
             raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
-        if self.hparams.init_from:
-            from parallama.hf import load_hf_weights
+        with _gathered_if_zero3(model) as zero3:
+            if zero3:
+                model.init_weights()  # the constructor's init wrote into empty shards: redo it, gathered
+            if self.hparams.init_from:
+                from parallama.hf import load_hf_weights
 
-            load_hf_weights(model, self.hparams.init_from)
+                load_hf_weights(model, self.hparams.init_from)
         model = parallelize(
             model,
             strategy,
@@ -107,8 +125,11 @@ class LlamaLM(L.LightningModule):
 
     def configure_optimizers(self):
         opt = dict(self.hparams.optimizer)
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Matrices decay, norm weights do not. ZeRO-3 has already partitioned the tensors (flat shards): its
+        # parameters keep their real shape in `ds_shape`.
+        decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+        no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
         groups = [
             {"params": decay, "weight_decay": opt["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},

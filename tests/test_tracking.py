@@ -11,7 +11,8 @@ import torch
 from conftest import train
 from wandb.proto import wandb_internal_pb2
 
-from parallama.loggers import checkpoint_entry, wandb_logger
+from parallama.checkpoint import read_client_state
+from parallama.loggers import wandb_logger
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +71,7 @@ def test_wandb_offline_logs_config_metrics_and_run_id(tmp_path, data_cache):
     assert run["config"]["model/params"] > 0 and run["config"]["model/flops_per_token"] > 0
     logged = {key for row in run["history"] for key in row}
     assert {"train/loss", "val/loss", "lr-AdamW/pg1"} <= logged
-    assert checkpoint_entry(run_dir / "checkpoints" / "last.ckpt", "wandb_run_id") == run["id"]
+    assert read_client_state(run_dir / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
     assert (run_dir / "csv" / "metrics.csv").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -88,23 +89,24 @@ def test_resume_continues_the_wandb_run(tmp_path, data_cache):
     )
     run_id = wandb_run(first)["id"]
     assert wandb_run(second)["id"] == run_id
-    assert checkpoint_entry(second / "checkpoints" / "last.ckpt", "wandb_run_id") == run_id
+    assert read_client_state(second / "checkpoints" / "last.ckpt").get("wandb_run_id") == run_id
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
 
 
-def test_checkpoint_entry_reads_files_and_sharded_folders(tmp_path):
+def test_run_id_is_read_from_files_and_sharded_folders(tmp_path):
     deepspeed, dcp = tmp_path / "ds.ckpt", tmp_path / "dcp.ckpt"
     (deepspeed / "checkpoint").mkdir(parents=True)
+    (deepspeed / "latest").write_text("checkpoint")  # DeepSpeed's pointer to the current tag
     dcp.mkdir()
     torch.save({"wandb_run_id": "a", "state_dict": {}}, tmp_path / "file.ckpt")
     torch.save({"wandb_run_id": "b"}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
     torch.save({"wandb_run_id": "c"}, dcp / "meta.pt")
-    assert [checkpoint_entry(p, "wandb_run_id") for p in (tmp_path / "file.ckpt", deepspeed, dcp)] == [
+    assert [read_client_state(p).get("wandb_run_id") for p in (tmp_path / "file.ckpt", deepspeed, dcp)] == [
         "a",
         "b",
         "c",
     ]
-    assert checkpoint_entry(tmp_path / "file.ckpt", "missing") is None
+    assert read_client_state(tmp_path / "file.ckpt").get("missing") is None
 
 
 def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):

@@ -42,15 +42,16 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = [arg for arg in argv if not arg.startswith(_SKIP_PREFLIGHT[1:])]
-    try:
-        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides)):
-            return  # a sweep (hydra.mode=MULTIRUN a=1,2): each job is checked when it starts
-        with initialize_config_dir(str(conf_dir), version_base="1.3"):
-            defaults = compose(config_name)
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        try:
+            if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides)):
+                return  # a sweep (hydra.mode=MULTIRUN a=1,2): each job is checked when it starts
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as err:
-        message = f"{err}\n{err.__cause__ or ''}"
-        raise ConfigError(_one_line(message, locals().get("defaults"))) from None
+        except (HydraException, OmegaConfBaseException) as err:
+            message = f"{err}\n{err.__cause__ or ''}"
+            raise ConfigError(
+                _one_line(message, compose(config_name))
+            ) from None  # defaults: for "did you mean"
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]

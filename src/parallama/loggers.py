@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-from pathlib import Path
 from urllib.parse import urlparse
 
 import lightning as L
-import torch
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, open_dict
 
+from parallama.checkpoint import read_client_state
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
@@ -59,22 +58,11 @@ class WandbRunId(L.Callback):
                 checkpoint[RUN_ID_KEY] = logger.version
 
 
-def checkpoint_entry(path: str, key: str):
-    """One top-level entry of a checkpoint: a file, a DeepSpeed folder or an FSDP (DCP) folder; None if absent."""
-    path = Path(path)
-    if path.is_dir():  # DeepSpeed keeps the non-tensor state in its model-states file, DCP in meta.pt
-        files = [path / "checkpoint" / "mp_rank_00_model_states.pt", path / "meta.pt"]
-        path = next((f for f in files if f.exists()), None)
-        if path is None:
-            return None
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(key)
-
-
 def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> None:
     """Resuming: the W&B logger continues the run its checkpoint names (unless the logger's `id` is set)."""
     for node in (cfg.get("logger") or {}).values():
         if ckpt_path and node and node.get("_target_") == f"{__name__}.wandb_logger" and not node.get("id"):
-            run_id = checkpoint_entry(ckpt_path, RUN_ID_KEY)
+            run_id = read_client_state(ckpt_path).get(RUN_ID_KEY)
             if run_id:
                 with open_dict(node):
                     node.id = run_id

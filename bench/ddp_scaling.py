@@ -1,32 +1,54 @@
 """`ddp-scaling` (CPU): tokens/s of 1 vs 2 single-threaded processes, plain DDP and parallama's path.
 
-Plain: a torch.distributed DDP loop (gloo, ranks forked with torch.multiprocessing) with the overhead
-benchmark's training loop and a DistributedSampler over the same token cache; 1 process runs the model
-without DDP. parallama: `parallama-train trainer.devices=1` vs `strategy=ddp trainer.devices=2`, as
-subprocesses, reading `train/device/items_per_sec` (the ThroughputMonitor, its window spanning exactly the
-timed steps) from csv/metrics.csv; total = per-device x world size. Every process runs one thread
-(OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the forked ranks) on the same per-rank
-micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats`
-rounds; ratios are medians of the per-round ratios.
+Plain: a torch.distributed DDP loop (gloo, ranks started with torch.multiprocessing's spawn) with the
+overhead benchmark's training loop and a DistributedSampler over the same token cache; 1 process runs the
+model without DDP. parallama: `parallama-train trainer.devices=1` vs `strategy=ddp trainer.devices=2`, as
+subprocesses. Both read rank 0's clock at the end of step `--warmup` and of the last step (`StepClock` is
+added to the parallama run's callbacks), so both figures come from one instrument. Every process runs one thread
+(OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the plain ranks) on the same per-rank
+micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats` rounds; ratios are
+medians of the per-round ratios.
+
+On a shared VM the load other tenants put on the host changes over minutes, and two single-threaded ranks
+on two cores have no core to spare: a run's tokens/s can move by 10-20% from one run to the next (the median
+step time moved with it when tried, so the stalls are not short bursts). Read the per-round scalings printed with the
+medians, and use several rounds.
 """
 
 from __future__ import annotations
 
-import csv
-import math
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback
 
 from bench.common import ROOT, datamodule, machine, median, preset, print_machine, quiet, save
+from bench.overhead import train_loop
 
 GOAL = 1.85
+
+
+class StepClock(Callback):
+    """Steps/s from the end of optimizer step `warmup` to the end of training, read as the plain loop reads
+    it; rank 0 writes it to `path`."""
+
+    def __init__(self, path: str, warmup: int) -> None:
+        self.path, self.warmup, self.t0 = path, warmup, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup:
+            self.t0 = time.perf_counter()
+        elif trainer.global_step == trainer.max_steps and trainer.global_rank == 0:
+            steps = trainer.global_step - self.warmup
+            Path(self.path).write_text(json.dumps(steps / (time.perf_counter() - self.t0)))
 
 
 def _free_port() -> int:
@@ -40,7 +62,6 @@ def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from bench.overhead import train_loop
     from parallama.model import Llama, LlamaConfig
 
     torch.set_num_threads(1)
@@ -55,14 +76,15 @@ def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
         model = DistributedDataParallel(model)
     steps_per_s, _ = train_loop(model, loader, args, torch.device("cpu"))
     if rank == 0:
-        queue.put(steps_per_s * args.batch * args.seq_len * world)
+        queue.put(steps_per_s)
     if world > 1:
         dist.destroy_process_group()
 
 
 def plain(args, world: int) -> float:
     """Total tokens/s of `world` single-threaded ranks."""
-    ctx = mp.get_context("fork")  # children inherit the imports: seconds less per run than spawn
+    # spawn, not fork: a fork of this multi-threaded process hung now and then (locks held by other threads)
+    ctx = mp.get_context("spawn")
     queue, port = ctx.SimpleQueue(), _free_port()
     procs = [ctx.Process(target=_plain_rank, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
@@ -71,13 +93,13 @@ def plain(args, world: int) -> float:
         p.join()
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"plain DDP rank failed: exit codes {[p.exitcode for p in procs]}")
-    return queue.get()
+    return queue.get() * args.batch * args.seq_len * world
 
 
 def parallama(args, world: int) -> float:
     """Total tokens/s of `parallama-train` on `world` single-threaded CPU ranks."""
-    total = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as tmp:
+        clock_file = Path(tmp) / "clock.json"
         command = [
             sys.executable,
             "-m",
@@ -86,19 +108,20 @@ def parallama(args, world: int) -> float:
             f"trainer.devices={world}",
             "trainer.accelerator=cpu",
             "trainer.precision=32-true",
-            f"trainer.max_steps={total}",
-            f"trainer.log_every_n_steps={math.gcd(args.warmup, args.steps)}",  # logs at the last step
+            f"trainer.max_steps={args.warmup + args.steps}",
             "trainer.limit_val_batches=0",
             "+trainer.enable_checkpointing=false",
             "+trainer.enable_progress_bar=false",
             "+trainer.enable_model_summary=false",
-            "callbacks=none",  # no checkpoint writes inside the timed steps; only the throughput monitor
+            "callbacks=none",  # no checkpoint writes inside the timed steps; the throughput monitor as users have it
             "+callbacks.throughput._target_=parallama.callbacks.TokenThroughputMonitor",
-            f"+callbacks.throughput.window_size={args.steps + 1}",
+            "+callbacks.clock._target_=bench.ddp_scaling.StepClock",
+            f"+callbacks.clock.path={clock_file}",
+            f"+callbacks.clock.warmup={args.warmup}",
             f"model={args.model}",
             f"data.batch_size={args.batch}",
             f"data.seq_len={args.seq_len}",
-            f"scheduler.warmup_steps={max(1, total // 10)}",
+            f"scheduler.warmup_steps={max(1, (args.warmup + args.steps) // 10)}",
             "validate_before_training=false",
             "sample.max_new_tokens=0",
             f"paths.cache_dir={Path(args.cache_dir).resolve()}",
@@ -108,14 +131,8 @@ def parallama(args, world: int) -> float:
         proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        with open(Path(tmp) / "csv" / "metrics.csv") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("train/device/items_per_sec")]
-    if not rows:
-        raise RuntimeError("metrics.csv has no train/device/items_per_sec: too few steps for the window")
-    last = max(rows, key=lambda r: int(r["train/batches"]))
-    if int(last["train/batches"]) != total:
-        raise RuntimeError(f"throughput last logged after batch {last['train/batches']}, not {total}")
-    return float(last["train/device/items_per_sec"]) * world
+        steps_per_s = json.loads(clock_file.read_text())
+    return steps_per_s * args.batch * args.seq_len * world
 
 
 def run(args) -> dict:
@@ -135,16 +152,25 @@ def run(args) -> dict:
                 rates[f"{name} x{w}"].append(fn(args, w))
         print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s")
 
-    def ratio(a: str, b: str) -> float:
-        return median([x / y for x, y in zip(rates[a], rates[b], strict=True)])
+    def ratios(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(rates[a], rates[b], strict=True)]
 
-    scaling = {name: ratio(f"{name} x2", f"{name} x1") for name in arms}
-    results = {"config": vars(args), "tokens_per_s": rates, "scaling": scaling}
-    results["parallama_over_plain"] = {f"x{w}": ratio(f"parallama x{w}", f"plain x{w}") for w in (1, 2)}
-    print(f"\n{'path':<12} {'1 proc tok/s':>13} {'2 procs tok/s':>14} {'scaling':>8}")
+    per_round = {name: ratios(f"{name} x2", f"{name} x1") for name in arms}
+    scaling = {name: median(r) for name, r in per_round.items()}
+    results = {
+        "config": vars(args),
+        "tokens_per_s": rates,
+        "scaling": scaling,
+        "scaling_per_round": per_round,
+    }
+    results["parallama_over_plain"] = {
+        f"x{w}": median(ratios(f"parallama x{w}", f"plain x{w}")) for w in (1, 2)
+    }
+    print(f"\n{'path':<12} {'1 proc tok/s':>13} {'2 procs tok/s':>14} {'scaling':>8}  per round")
     for name in arms:
         one, two = median(rates[f"{name} x1"]), median(rates[f"{name} x2"])
-        print(f"{name:<12} {one:>13,.0f} {two:>14,.0f} {scaling[name]:>7.2f}x")
+        rounds = ", ".join(f"{x:.2f}" for x in per_round[name])
+        print(f"{name:<12} {one:>13,.0f} {two:>14,.0f} {scaling[name]:>7.2f}x  {rounds}")
     po = results["parallama_over_plain"]
     print(f"\nparallama / plain tokens/s: 1 process {po['x1']:.3f}, 2 processes {po['x2']:.3f}")
     met = "met" if scaling["parallama"] >= GOAL else "NOT met"

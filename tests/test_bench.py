@@ -54,7 +54,8 @@ def test_ddp_scaling(capsys, tmp_path, cache):
     text, result = run(capsys, tmp_path, cache, "ddp-scaling", *tiny)
     assert set(result["tokens_per_s"]) == {"plain x1", "plain x2", "parallama x1", "parallama x2"}
     assert all(v[0] > 0 for v in result["tokens_per_s"].values())
-    assert set(result["scaling"]) == {"plain", "parallama"} and "scaling" in text
+    assert set(result["scaling"]) == set(result["scaling_per_round"]) == {"plain", "parallama"}
+    assert "parallama 2-process scaling" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the full ~10 minute benchmark")

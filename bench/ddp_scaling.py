@@ -4,15 +4,15 @@ Plain: a torch.distributed DDP loop (gloo, ranks started with torch.multiprocess
 overhead benchmark's training loop and a DistributedSampler over the same token cache; 1 process runs the
 model without DDP. parallama: `parallama-train trainer.devices=1` vs `strategy=ddp trainer.devices=2`, as
 subprocesses. Both read rank 0's clock at the end of step `--warmup` and of the last step (`StepClock` is
-added to the parallama run's callbacks), so both figures come from one instrument. Every process runs one thread
-(OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the plain ranks) on the same per-rank
-micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats` rounds; ratios are
+added to the parallama run's callbacks), so both figures come from one instrument. Every process runs one
+thread (OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the plain ranks) on the same
+per-rank micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats` rounds; ratios are
 medians of the per-round ratios.
 
 On a shared VM the load other tenants put on the host changes over minutes, and two single-threaded ranks
 on two cores have no core to spare: a run's tokens/s can move by 10-20% from one run to the next (the median
-step time moved with it when tried, so the stalls are not short bursts). Read the per-round scalings printed with the
-medians, and use several rounds.
+step time moved with it when tried, so the stalls are not short bursts). Read the per-round scalings printed
+with the medians, and use several rounds.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def parallama(args, world: int) -> float:
             "+trainer.enable_checkpointing=false",
             "+trainer.enable_progress_bar=false",
             "+trainer.enable_model_summary=false",
-            "callbacks=none",  # no checkpoint writes inside the timed steps; the throughput monitor as users have it
+            "callbacks=none",  # no checkpoint writes inside the timed steps; the throughput monitor as users run it
             "+callbacks.throughput._target_=parallama.callbacks.TokenThroughputMonitor",
             "+callbacks.clock._target_=bench.ddp_scaling.StepClock",
             f"+callbacks.clock.path={clock_file}",

@@ -6,8 +6,8 @@ model without DDP. parallama: `parallama-train trainer.devices=1` vs `strategy=d
 subprocesses. Both read rank 0's clock at the end of step `--warmup` and of the last step (`StepClock` is
 added to the parallama run's callbacks), so both figures come from one instrument. Every process runs one
 thread (OMP_NUM_THREADS=1 for the subprocesses, torch.set_num_threads(1) in the plain ranks) on the same
-per-rank micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats` rounds; ratios are
-medians of the per-round ratios.
+per-rank micro-batch. Runs alternate (plain 1, plain 2, parallama 1, parallama 2) for `--repeats` rounds;
+ratios are medians of the per-round ratios.
 
 On a shared VM the load other tenants put on the host changes over minutes, and two single-threaded ranks
 on two cores have no core to spare: a run's tokens/s can move by 10-20% from one run to the next (the median
@@ -113,7 +113,7 @@ def parallama(args, world: int) -> float:
             "+trainer.enable_checkpointing=false",
             "+trainer.enable_progress_bar=false",
             "+trainer.enable_model_summary=false",
-            "callbacks=none",  # no checkpoint writes inside the timed steps; the throughput monitor as users run it
+            "callbacks=none",  # no checkpoint writes in the timed steps; the throughput monitor as users run it
             "+callbacks.throughput._target_=parallama.callbacks.TokenThroughputMonitor",
             "+callbacks.clock._target_=bench.ddp_scaling.StepClock",
             f"+callbacks.clock.path={clock_file}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,9 +50,7 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as err:
             message = f"{err}\n{err.__cause__ or ''}"
-            raise ConfigError(
-                _one_line(message, compose(config_name))
-            ) from None  # defaults: for "did you mean"
+            raise ConfigError(_one_line(message, lambda: compose(config_name))) from None
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]
@@ -61,11 +60,14 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
     check_config(cfg)
 
 
-def _one_line(message: str, defaults: DictConfig | None) -> str:
+def _one_line(message: str, compose_defaults: Callable[[], DictConfig]) -> str:
+    """Hydra's error in one line. `compose_defaults` gives the config without overrides, for "did you mean";
+    it is called only for an unknown key, an override error, so the config files themselves compose."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if (match := re.match(r"Could not override '([^']+)'", lines[0])) and "not in struct" in message:
         key = match.group(1)
-        return f"unknown config key '{key}'{_did_you_mean(key, defaults)}; to add a new key write +{key}=..."
+        suggestion = _did_you_mean(key, compose_defaults())
+        return f"unknown config key '{key}'{suggestion}; to add a new key write +{key}=..."
     if match := re.search(r"Could not find '([^']+)'", lines[0]):
         group, _, option = match.group(1).rpartition("/")
         start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
@@ -80,9 +82,9 @@ def _one_line(message: str, defaults: DictConfig | None) -> str:
     return " ".join(lines[:3])
 
 
-def _did_you_mean(key: str, defaults: DictConfig | None) -> str:
+def _did_you_mean(key: str, defaults: DictConfig) -> str:
     parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(defaults, parent) if defaults is not None and parent else defaults
+    node = OmegaConf.select(defaults, parent) if parent else defaults
     if not isinstance(node, DictConfig):
         return ""
     close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, ThroughputMonitor
@@ -49,10 +50,11 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """`last.ckpt` every N optimizer steps and/or every T, and always at the end of training.
+    """`last.ckpt` every N optimizer steps and/or every T, and always after the run's last step.
 
-    Lightning's own end-of-training save is skipped once any `last` was written during the run, which would
-    leave the final steps out of last.ckpt.
+    The last step is saved from the step itself, like the periodic saves, and not after the loop ends: by then
+    Lightning has counted the epoch as finished, so extending the run (a higher max_steps) would skip the rest
+    of the epoch. Lightning's ModelCheckpoint takes N or T, not both: T is kept here.
     """
 
     def __init__(
@@ -68,9 +70,29 @@ class LastCheckpoint(ModelCheckpoint):
             save_last=True,
             enable_version_counter=False,  # always last.ckpt, even if the interval changed since the last run
             every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
         )
+        self.time_interval = train_time_interval
+        self._last_saved_at = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._should_skip_saving_checkpoint(trainer):  # fast_dev_run, or this step is saved already
+            return
+        due = False
+        if self.time_interval is not None:  # rank 0's clock decides, so that every rank saves
+            due = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
+            due = trainer.strategy.broadcast(due)
+        loop = trainer.fit_loop.epoch_loop
+        last_epoch = (
+            0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1 and loop.batch_progress.is_last_batch
+        )
+        if due or 0 < trainer.max_steps <= trainer.global_step or last_epoch:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_saved_at = time.monotonic()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self._should_skip_saving_checkpoint(trainer):  # skips fast_dev_run and an already-saved step
+        if not self._should_skip_saving_checkpoint(trainer):  # e.g. stopped early by a callback
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -1,7 +1,7 @@
 """Cross-key checks of the composed config, run before any data is read or any process is started.
 
-Each failure is a `ConfigError` whose one-line message names the key and what would be valid.
-(Single-key checks live where the value is used: LlamaConfig, TextDataModule, the strategies.)
+Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
+accepts is in `_RULES`; the model's fields are checked by `LlamaConfig` itself.
 """
 
 from __future__ import annotations
@@ -12,16 +12,22 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.errors import ConfigError
 
-_SKIP_PREFLIGHT = ("-", "hydra.", "hydra/", "+hydra", "~hydra")
+# Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only
+# change what is done with the config (-m, --cfg job) are set aside and the overrides checked as usual.
+_HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-i", "--info"}
+_UNCHECKED = {"-cp", "--config-path", "-cd", "--config-dir", "--experimental-rerun"}  # another config tree
+_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name"}
+_NO_VALUE = {"-m", "--multirun", "-r", "--run", "--resolve"}
 
 
 def auto_precision() -> str:
     """`trainer.precision: ${auto_precision:}`: bf16 mixed precision where the GPU supports it, else fp32."""
+    import torch  # here, not at the top: --help and typos answer before torch is loaded
+
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return "bf16-mixed" if cuda_bf16 else "32-true"
 
@@ -32,32 +38,81 @@ OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
     """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
 
-    Skipped for Hydra's own flags (-m, --cfg, ...) where Hydra reports for itself.
+    A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
+    their first value. `--cfg` prints configs that may still lack required values, so those are not asked.
     """
-    if any(arg.startswith(_SKIP_PREFLIGHT[:1]) for arg in argv):
-        return
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
+    overrides, printing = [], False
+    args = iter(argv)
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _HYDRA_ANSWERS or flag in _UNCHECKED:
+            return
+        if flag in _WITH_VALUE:
+            value = arg.split("=", 1)[1] if "=" in arg else next(args, "")
+            printing |= flag in ("-c", "--cfg")
+            config_name = value if flag in ("-cn", "--config-name") else config_name
+        elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+            overrides.append(arg)
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        for job, label in _sweep_jobs(overrides):
+            try:
+                _check_job(config_name, job, check_required=not printing)
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the sweep job with {label})" if label else str(err)) from None
+
+
+def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
+    """The jobs to check: the overrides themselves, or for a sweep one job per swept value (label: that value).
+    Values a sweeper draws at run time (Optuna's interval(...)) are checked when their job starts."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    base, swept = [], []
+    for override in parsed:
+        if not override.is_sweep_override():
+            base.append(override.input_line)
+            continue
+        key = override.get_key_element()
+        try:
+            values = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        except Exception:  # not enumerable here
+            continue
+        swept.append((len(base), values))
+        base.append(values[0])
+    if not swept:
+        return [(base, "")]
+    return [
+        ([*base[:position], value, *base[position + 1 :]], value)
+        for position, values in swept
+        for value in values
+    ]
+
+
+def _check_job(config_name: str, overrides: list[str], check_required: bool) -> None:
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = [arg for arg in argv if not arg.startswith(_SKIP_PREFLIGHT[1:])]
-    with initialize_config_dir(str(conf_dir), version_base="1.3"):
-        try:
-            if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides)):
-                return  # a sweep (hydra.mode=MULTIRUN a=1,2): each job is checked when it starts
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as err:
-            message = f"{err}\n{err.__cause__ or ''}"
-            raise ConfigError(_one_line(message, lambda: compose(config_name))) from None
+    try:
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        message = f"{err}\n{err.__cause__ or ''}"
+        raise ConfigError(_one_line(message, lambda: compose(config_name))) from None
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
+    if missing and check_required:
         raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
-    check_config(cfg)
+    if not missing:
+        check_config(cfg)
 
 
 def _one_line(message: str, compose_defaults: Callable[[], DictConfig]) -> str:
@@ -92,7 +147,7 @@ def _did_you_mean(key: str, defaults: DictConfig) -> str:
 
 
 def check_config(cfg: DictConfig) -> None:
-    _check_types(cfg)
+    _check_values(cfg)  # first: no torch import, so most typos of values answer at once
     _check_optimizer(cfg)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     _check_model_shape(model)
@@ -105,24 +160,127 @@ def check_config(cfg: DictConfig) -> None:
     _resolve_global_batch(cfg)
 
 
-_NUMBERS = {
-    "data.seq_len": int,
-    "data.batch_size": int,
-    "trainer.max_steps": int,
-    "trainer.num_nodes": int,
-    "scheduler.warmup_steps": int,
-    "optimizer.lr": float,
-    "optimizer.weight_decay": float,
+class Rule:
+    """What one key accepts: a kind (int, float, bool, str) within [low, high] (`open` makes the bounds
+    exclusive: "low", "high" or "both"), a fixed set of `choices`, and extra allowed values (null, -1, auto)."""
+
+    def __init__(self, kind: type, low=None, high=None, *, open: str = "", allow=(), choices=()):
+        self.kind, self.low, self.high, self.open, self.allow, self.choices = (
+            kind,
+            low,
+            high,
+            open,
+            allow,
+            choices,
+        )
+
+    def valid(self, value) -> bool:
+        if any(value is a or (type(value) is type(a) and value == a) for a in self.allow):
+            return True
+        if isinstance(value, bool) != (self.kind is bool):
+            return False
+        if self.choices:
+            return value in self.choices
+        if not isinstance(value, (int, float) if self.kind is float else self.kind):
+            return False
+        if self.low is not None and (value <= self.low if "low" in self.open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if "high" in self.open else value <= self.high)
+
+    def describe(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(_show(c) for c in self.choices)
+        else:
+            text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
+        if self.low is not None and self.high is not None:
+            text += f" in {'(' if 'low' in self.open else '['}{self.low}, {self.high}{')' if 'high' in self.open else ']'}"
+        elif self.low is not None:
+            text += f" {'>' if 'low' in self.open else '>='} {self.low}"
+        return text + "".join(f" or {_show(a)}" for a in self.allow)
+
+
+_PRECISIONS = (
+    "32-true",
+    "32",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+    "64-true",
+    "transformer-engine",
+)
+_RULES = {  # checked when the key exists (strategy keys only for the strategies that have them)
+    "seed": Rule(int, 0),
+    "global_batch_size": Rule(int, 1, allow=(None,)),
+    "compile": Rule(bool),
+    "activation_checkpointing": Rule(bool),
+    "validate_before_training": Rule(bool),
+    "data.seq_len": Rule(int, 1),
+    "data.batch_size": Rule(int, 1),
+    "data.packing": Rule(bool),
+    "data.val_fraction": Rule(float, 0, 1, open="high"),
+    "data.num_workers": Rule(int, 0),
+    "data.source.max_documents": Rule(int, 1, allow=(None,)),
+    "data.source.corpus": Rule(str, choices=("prose", "code")),
+    "tokenizer.vocab_size": Rule(int, 260),  # 256 bytes + 4 specials
+    "tokenizer.min_frequency": Rule(int, 1),
+    "trainer.max_steps": Rule(int, 1, allow=(-1,)),
+    "trainer.max_epochs": Rule(int, 1, allow=(-1, None)),
+    "trainer.num_nodes": Rule(int, 1),
+    "trainer.accumulate_grad_batches": Rule(int, 1),
+    "trainer.gradient_clip_val": Rule(float, 0, allow=(None,)),
+    "trainer.log_every_n_steps": Rule(int, 1),
+    "trainer.val_check_interval": Rule(float, 0, open="low", allow=(None,)),
+    "trainer.limit_val_batches": Rule(float, 0, allow=(None,)),
+    "trainer.limit_train_batches": Rule(float, 0, open="low", allow=(None,)),
+    "trainer.overfit_batches": Rule(float, 0),
+    "trainer.num_sanity_val_steps": Rule(int, -1),
+    "trainer.precision": Rule(str, choices=_PRECISIONS),
+    "trainer.accelerator": Rule(str, choices=("auto", "cpu", "gpu", "cuda")),
+    "trainer.deterministic": Rule(bool, allow=("warn",)),
+    "trainer.fast_dev_run": Rule(int, 0),  # bool or a number of batches
+    "optimizer.lr": Rule(float, 0, 1, open="low"),
+    "optimizer.weight_decay": Rule(float, 0),
+    "optimizer.eps": Rule(float, 0, open="low"),
+    "optimizer.fused": Rule(bool, allow=(None,)),
+    "scheduler.warmup_start_factor": Rule(float, 0, 1),
+    "scheduler.min_lr_ratio": Rule(float, 0, 1),
+    "sample.max_new_tokens": Rule(int, 0),
+    "sample.temperature": Rule(float, 0),
+    "sample.top_k": Rule(int, 1, allow=(None,)),
+    "sample.prompt": Rule(str),
+    "callbacks.last_checkpoint.every_n_train_steps": Rule(int, 1, allow=(None,)),
+    "logger.wandb.mode": Rule(str, choices=("auto", "online", "offline", "disabled")),
+    "strategy.stage": Rule(int, choices=(1, 2, 3)),
+    "strategy.mixed_precision": Rule(str, choices=("bf16", "fp16"), allow=(None,)),
+    "strategy.process_group_backend": Rule(str, choices=("nccl", "gloo"), allow=(None,)),
+    "strategy.offload_optimizer": Rule(bool),
+    "strategy.offload_parameters": Rule(bool),
+    "strategy.reshard_after_forward": Rule(bool),
+    "strategy.cpu_offload": Rule(bool),
+    "strategy.meta_init": Rule(bool),
+    "strategy.find_unused_parameters": Rule(bool),
+    "strategy.gradient_as_bucket_view": Rule(bool),
+    "strategy.static_graph": Rule(bool),
+    "strategy.bucket_cap_mb": Rule(float, 0, open="low"),
 }
 
 
-def _check_types(cfg: DictConfig) -> None:
-    for key, kind in _NUMBERS.items():
-        value = OmegaConf.select(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-            raise ConfigError(f"{key}={value!r} must be {'a number' if kind is float else 'an integer'}")
-        if key in ("data.seq_len", "data.batch_size", "trainer.num_nodes") and value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
+def _check_values(cfg: DictConfig) -> None:
+    for key, rule in _RULES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        value = node[leaf]
+        if key == "trainer.fast_dev_run" and isinstance(value, bool):
+            continue
+        if not rule.valid(value):
+            raise ConfigError(f"{key}={_show(value)} is not valid; use {rule.describe()}")
+
+
+def _show(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _check_model_shape(model: DictConfig) -> None:
@@ -140,23 +298,26 @@ def _check_model_shape(model: DictConfig) -> None:
 
 
 def _check_optimizer(cfg: DictConfig) -> None:
-    lr = cfg.optimizer.lr
-    if not 0 < lr <= 1:
-        raise ConfigError(f"optimizer.lr={lr} is out of range; use a value in (0, 1], e.g. 3e-4")
-    sched = cfg.scheduler
-    if sched.warmup_steps < 0:
-        raise ConfigError(f"scheduler.warmup_steps={sched.warmup_steps} must be >= 0")
-    if not 0 <= sched.min_lr_ratio <= 1 or not 0 <= sched.warmup_start_factor <= 1:
-        raise ConfigError("scheduler.min_lr_ratio and scheduler.warmup_start_factor must be in [0, 1]")
-    max_steps = cfg.trainer.get("max_steps", -1)
-    if max_steps is not None and max_steps > 0 and sched.warmup_steps >= max_steps:
+    betas = cfg.optimizer.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(
-            f"scheduler.warmup_steps={sched.warmup_steps} is not below trainer.max_steps={max_steps}; "
-            "lower the warmup or train longer"
+            f"optimizer.betas={list(betas)} is not valid; use two numbers in [0, 1), e.g. [0.9, 0.95]"
+        )
+    sched = cfg.scheduler
+    warmup = sched.warmup_steps
+    if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(f"scheduler.warmup_steps={warmup!r} must be an integer >= 0 or auto")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
+            "lower it, use scheduler.warmup_steps=auto, or train longer"
         )
 
 
 def _check_devices(trainer: DictConfig) -> None:
+    import torch
+
     accelerator, devices = trainer.accelerator, trainer.devices
     gpus = torch.cuda.device_count()
     if accelerator in ("gpu", "cuda") and gpus == 0:
@@ -171,6 +332,8 @@ def _check_devices(trainer: DictConfig) -> None:
 
 
 def _check_strategy(cfg: DictConfig) -> None:
+    import torch
+
     uses_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (
         cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
     )
@@ -189,6 +352,8 @@ def _check_strategy(cfg: DictConfig) -> None:
 
 def _resolve_global_batch(cfg: DictConfig) -> None:
     """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the given world size."""
+    import torch
+
     global_batch = cfg.get("global_batch_size")
     if global_batch is None:
         return
@@ -200,6 +365,12 @@ def _resolve_global_batch(cfg: DictConfig) -> None:
         raise ConfigError(
             f"global_batch_size={global_batch} is not a multiple of data.batch_size * devices * nodes "
             f"= {cfg.data.batch_size} * {devices} * {cfg.trainer.num_nodes} = {per_step}"
+        )
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if accumulate not in (1, global_batch // per_step):
+        raise ConfigError(
+            f"global_batch_size={global_batch} derives trainer.accumulate_grad_batches, which is also set "
+            f"(={accumulate}); set only one of them"
         )
     with open_dict(cfg):
         cfg.trainer.accumulate_grad_batches = global_batch // per_step

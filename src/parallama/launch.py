@@ -78,7 +78,12 @@ class JobIsolation(Callback):
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
-    """`last`: this run's last checkpoint, else the newest `last` checkpoint of any earlier run under runs_root."""
+    """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
+    (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
+
+    `last.ckpt.old` counts too: a folder checkpoint is `.old` for an instant while its successor is swapped in,
+    and a kill at that instant must not make `last` fall back to an older run.
+    """
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
@@ -88,13 +93,44 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) ->
             )
         return str(Path(ckpt_path).resolve())
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
-    for candidate in (
-        own,
-        own.with_name("last.ckpt.old"),
-    ):  # .old: killed while swapping in a folder checkpoint
+    for candidate in (own, own.with_name("last.ckpt.old")):
         if candidate.exists():
             return str(candidate)
-    candidates = sorted(Path(runs_root).glob("**/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    candidates = [
+        *Path(runs_root).glob("*/checkpoints/last.ckpt"),
+        *Path(runs_root).glob("*/checkpoints/last.ckpt.old"),
+    ]
     if not candidates:
-        raise ConfigError(f"ckpt_path=last but no checkpoints/last*.ckpt exists under {runs_root}")
-    return str(candidates[-1])
+        raise ConfigError(f"ckpt_path=last but no run under {runs_root} has a checkpoints/last.ckpt")
+    return str(max(candidates, key=lambda p: p.stat().st_mtime))
+
+
+def use_private_torch_extensions() -> None:
+    """DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by
+    every environment). Two environments then rebuild each other's ops, and a build killed midway leaves a lock
+    on which every later run waits forever. So: one directory per Python environment, and a lock older than any
+    build is removed (with a warning) instead of waited on. Ranks started later inherit the variable."""
+    import hashlib
+    import logging
+    import time
+
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}-{env}"
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(
+            Path.home() / ".cache" / "parallama" / "torch_extensions" / tag
+        )
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    for lock in root.glob("*/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # the build finished meanwhile
+            continue
+        if age > STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+            logging.getLogger("parallama").warning(
+                f"removed {lock}: a C++ extension build lock {age / 60:.0f} min old, left by a killed build"
+            )
+
+
+STALE_BUILD_LOCK_S = 20 * 60  # a DeepSpeed op builds in about a minute on 2 cores

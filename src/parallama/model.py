@@ -140,16 +140,24 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Preallocated keys/values of one layer, (B, n_kv_heads, max_len, head_dim), indexed by
-    absolute position so that prefill and single-token decode are the same code path."""
+    """Keys/values of one layer, (B, n_kv_heads, max_len, head_dim), indexed by absolute position so
+    that prefill and single-token decode are the same code path.
+
+    Without a dtype the buffers are allocated at the first update in the dtype the layer computes in,
+    which differs from the weights' under autocast or FSDP mixed precision (fp32 shards, bf16 compute)."""
 
     def __init__(self, shape: tuple[int, int, int, int], device=None, dtype=None):
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.shape, self.max_len = shape, shape[2]
+        self.k = self.v = None
+        if dtype is not None:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[:, :, input_pos] = k
-        self.v[:, :, input_pos] = v
+        if self.k is None:
+            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)
+        self.k[:, :, input_pos] = k.to(self.k.dtype)
+        self.v[:, :, input_pos] = v.to(self.v.dtype)
         return self.k, self.v
 
 
@@ -247,10 +255,10 @@ class Llama(nn.Module):
                 nn.init.ones_(module.weight)
 
     def new_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> list[KVCache]:
-        """One empty cache per layer, on the model's device and in its dtype by default."""
-        c, w = self.config, self.embed_tokens.weight
+        """One empty cache per layer, on the model's device; by default in the dtype attention computes in."""
+        c = self.config
         shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
-        return [KVCache(shape, device or w.device, dtype or w.dtype) for _ in self.layers]
+        return [KVCache(shape, device or self.embed_tokens.weight.device, dtype) for _ in self.layers]
 
     def forward(self, input_ids, attention_mask=None, *, input_pos=None, kv_cache=None) -> Tensor:
         """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T).
@@ -266,7 +274,7 @@ class Llama(nn.Module):
         if kv_cache is not None:
             if input_pos is None or attention_mask is not None:
                 raise ValueError("kv_cache needs input_pos and does not support attention_mask")
-            slots = torch.arange(kv_cache[0].k.shape[2], device=device)
+            slots = torch.arange(kv_cache[0].max_len, device=device)
             mask = slots <= input_pos[:, None]  # (T, max_len), broadcast over batch and heads
         elif T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} > model.max_position_embeddings")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -15,6 +16,8 @@ from parallama.errors import ConfigError, TrainingDiverged
 from parallama.model import Llama, LlamaConfig
 from parallama.parallelize import parallelize
 
+log = logging.getLogger("parallama")
+
 
 def warmup_cosine(
     step: int, *, warmup_steps: int, total_steps: int, start_factor: float, min_ratio: float
@@ -24,6 +27,22 @@ def warmup_cosine(
         return start_factor + (1.0 - start_factor) * step / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+AUTO_WARMUP_STEPS, AUTO_WARMUP_FRACTION = 60, 0.2
+
+
+def resolve_warmup(warmup_steps: int | str, total_steps: int) -> int:
+    """`auto`: 60 steps, or a fifth of a shorter run, so smoke tests (max_steps=5, fast_dev_run) need no
+    extra override. An explicit number must leave room for the decay: it is never silently shortened."""
+    if warmup_steps == "auto":
+        return min(AUTO_WARMUP_STEPS, int(total_steps * AUTO_WARMUP_FRACTION))
+    if warmup_steps >= total_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps={warmup_steps} is not below the run's {total_steps} optimizer steps; "
+            "lower it, use scheduler.warmup_steps=auto, or train longer (trainer.max_steps)"
+        )
+    return warmup_steps
 
 
 @contextmanager
@@ -110,8 +129,33 @@ class LlamaLM(L.LightningModule):
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Asking the loop to stop at the run's last batch makes Lightning validate once more, so the final
+        val/loss (what sweeps optimize and the report prints) is the trained model's, not a stale one."""
+        trainer = self.trainer
+        last_step = 0 < trainer.max_steps <= trainer.global_step
+        last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1
+        if last_step or (last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+            trainer.should_stop = True
+
     def on_train_start(self) -> None:
         self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
+        self._apply_configured_lr()
+
+    def _apply_configured_lr(self) -> None:
+        """A resumed scheduler brings back the checkpoint's peak LR; `optimizer.lr` is what this run asks for."""
+        lr = self.hparams.optimizer["lr"]
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if all(base == lr for base in scheduler.base_lrs):
+                continue
+            if self.global_rank == 0:
+                log.info(
+                    f"resuming with optimizer.lr={lr:g} (the checkpoint's run had {scheduler.base_lrs[0]:g})"
+                )
+            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+                group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self._loss(batch)
@@ -147,14 +191,10 @@ class LlamaLM(L.LightningModule):
 
         sched = self.hparams.scheduler
         total = int(self.trainer.estimated_stepping_batches)
-        if sched["warmup_steps"] >= total:
-            raise ConfigError(
-                f"scheduler.warmup_steps={sched['warmup_steps']} is not below the run's {total} optimizer steps; "
-                "lower it or train longer (trainer.max_steps)"
-            )
+        warmup = resolve_warmup(sched["warmup_steps"], total)
         lr_lambda = partial(
             warmup_cosine,
-            warmup_steps=sched["warmup_steps"],
+            warmup_steps=warmup,
             total_steps=total,
             start_factor=sched["warmup_start_factor"],
             min_ratio=sched["min_lr_ratio"],

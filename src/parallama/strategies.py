@@ -89,6 +89,7 @@ class CPUCapableDeepSpeedStrategy(AtomicFolderCheckpoints, DeepSpeedStrategy):
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":
+            _say_if_ops_will_build(self.local_rank)
             self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
             super(DeepSpeedStrategy, self).setup_environment()  # skip only DeepSpeedStrategy's CUDA check
         else:
@@ -98,6 +99,18 @@ class CPUCapableDeepSpeedStrategy(AtomicFolderCheckpoints, DeepSpeedStrategy):
     def offload_optimizer(self) -> bool:
         self._init_config_if_needed()
         return "offload_optimizer" in self.config.get("zero_optimization", {})
+
+
+def _say_if_ops_will_build(local_rank: int) -> None:
+    """On CPU DeepSpeed compiles its shared-memory communication op at the first run: minutes of silence."""
+    import logging
+    import os
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    if local_rank == 0 and not any(root.glob("deepspeed_shm_comm/*.so")):
+        logging.getLogger("parallama").info(
+            f"building DeepSpeed's C++ ops (once per environment, ~1 min) in {root}"
+        )
 
 
 class FSDP2Strategy(AtomicFolderCheckpoints, ModelParallelStrategy):

@@ -1,24 +1,23 @@
-"""`parallama-train` (or `python -m parallama.train`): compose the config, build data/model/trainer, fit, report."""
+"""`parallama-train` (or `python -m parallama.train`): compose the config, build data/model/trainer, fit, report.
+
+Lightning and torch are imported inside `train()`, so `--help`, typos and the preflight checks answer before
+they load (several seconds on a small machine).
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.checks import check_config, preflight
 from parallama.errors import ConfigError, TrainingDiverged
-from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path
-from parallama.loggers import continue_wandb_run
+from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path, use_private_torch_extensions
 
 log = logging.getLogger("parallama")
 
@@ -30,11 +29,16 @@ def instantiate_dict(node: DictConfig | None) -> list:
 
 def train(cfg: DictConfig) -> float | None:
     """Run one training job; returns the final `optimized_metric` (default val/loss), which sweeps optimize."""
+    check_config(cfg)
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from parallama.checkpoint import read_client_state
+    from parallama.loggers import continue_wandb_run
     from parallama.module import LlamaLM
 
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    check_config(cfg)
     print_config(cfg)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = hydra.utils.instantiate(cfg.data)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -55,14 +59,17 @@ def train(cfg: DictConfig) -> float | None:
         init_from=cfg.init_from,
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
-    runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name)
+    runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name / "runs")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
     continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
+    loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
+    if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=hydra.utils.instantiate(cfg.strategy),
-        callbacks=instantiate_dict(cfg.get("callbacks")),
-        logger=instantiate_dict(cfg.get("logger")) or False,
+        callbacks=callbacks,
+        logger=loggers or False,
     )
     output_dir = cfg.paths.output_dir
     for logger in trainer.loggers:
@@ -82,6 +89,7 @@ def train(cfg: DictConfig) -> float | None:
         from parallama.checkpoint import check_resumable
 
         check_resumable(ckpt_path, model_cfg)
+        check_resume_position(ckpt_path, read_client_state(ckpt_path), datamodule, trainer)
     if cfg.validate_before_training and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -92,8 +100,23 @@ def train(cfg: DictConfig) -> float | None:
     return float(metric) if metric is not None else None
 
 
+def check_resume_position(ckpt_path: str, state: dict, datamodule, trainer) -> None:
+    """Refuse a resume that would train nothing, or continue the data order under other settings."""
+    step, max_steps = state.get("global_step", 0), trainer.max_steps
+    if 0 < max_steps <= step:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to "
+            f"train; raise trainer.max_steps to continue the run"
+        )
+    saved = state.get(type(datamodule).__name__)
+    if saved:
+        datamodule.check_resume(saved, trainer.world_size, source=f"ckpt_path={ckpt_path}")
+
+
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
     """Every rank generates (sharded models need all ranks in each forward); the same seed gives the same text."""
+    import torch
+
     from parallama.model import generate
 
     if module.model is None or module.model.embed_tokens.weight.device.type == "meta":
@@ -119,19 +142,31 @@ def last_checkpoint_note(cfg: DictConfig) -> str:
     return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
 
 
-@rank_zero_only
 def print_config(cfg: DictConfig) -> None:
+    """Shown highlighted on a terminal, and in full (not cut at 80 columns) in a log file."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
     from rich.console import Console
     from rich.syntax import Syntax
 
-    Console().print(Syntax(OmegaConf.to_yaml(cfg, resolve=True), "yaml", theme="ansi_dark"))
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    console = Console()
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", theme="ansi_dark"))
+    else:
+        print(text, flush=True)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "resolved_config.yaml").write_text(text)
 
 
-@rank_zero_only
-def report(trainer: L.Trainer, output_dir: str, sample: str | None) -> None:
+def report(trainer, output_dir: str, sample: str | None) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if trainer.global_rank != 0:
+        return
     lines = [f"output dir:      {output_dir}"]
     for ckpt in trainer.checkpoint_callbacks:
         if not isinstance(ckpt, ModelCheckpoint):
@@ -153,10 +188,15 @@ def report(trainer: L.Trainer, output_dir: str, sample: str | None) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
         return train(cfg)
     except (ConfigError, FileNotFoundError) as err:
         log.error(f"error: {err}")
+        sys.exit(2)
+    except hydra.errors.InstantiationException as err:
+        log.error(f"error: {instantiation_error(err)}")
         sys.exit(2)
     except TrainingDiverged as err:
         log.error(f"error: {err} ({last_checkpoint_note(cfg)})")
@@ -170,13 +210,33 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             wandb.finish()
 
 
+def instantiation_error(err: Exception) -> str:
+    """A constructor's complaint in one line: the project's own ConfigError as it is, anything else with the
+    config key whose `_target_` raised it."""
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+        if isinstance(cause, (ConfigError, FileNotFoundError)):
+            return str(cause)
+    lines = str(err).splitlines()
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    reason = (
+        str(cause).strip().splitlines()[0] if cause is not err else (lines[1] if len(lines) > 1 else lines[0])
+    )
+    return f"{key or lines[0]}: {reason}"
+
+
 def main() -> None:
     try:
         preflight(CONF_DIR, "train", sys.argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    use_private_torch_extensions()
     patch_ddp_relaunch()
+    # parallama's data module restores the position inside the epoch itself (TextDataModule.state_dict), so
+    # Lightning's warning that the loader "is not resumable" does not apply.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
     _hydra_main()
 
 

@@ -219,10 +219,34 @@ class TextDataModule(LightningDataModule):
         if self.trainer is None:
             return {}
         batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.trainer.current_epoch, "consumed": batches * self.batch_size}
+        position = {"epoch": self.trainer.current_epoch, "consumed": batches * self.batch_size}
+        return {**position, **self._order(self.trainer.world_size)}
 
     def load_state_dict(self, state: dict) -> None:
         self._resume_state = state or None
+
+    def _order(self, world_size: int) -> dict:
+        """What fixes the order of training samples: resuming under other values would skip or repeat some."""
+        return {
+            "seed": self.seed,
+            "data.seq_len": self.seq_len,
+            "data.batch_size": self.batch_size,
+            "data.packing": self.packing,
+            "data.val_fraction": self.val_fraction,
+            "world size (trainer.devices x trainer.num_nodes)": world_size,
+            "token cache": os.path.basename(self.data_dir),
+        }
+
+    def check_resume(self, saved: dict, world_size: int, source: str) -> None:
+        """One line naming the first setting that differs from the checkpoint's (checkpoints that predate a key
+        are not checked for it)."""
+        for key, value in self._order(world_size).items():
+            if key in saved and saved[key] != value:
+                what = "data (source, files or tokenizer)" if key == "token cache" else key
+                raise ConfigError(
+                    f"{source} was trained with {key}={saved[key]} but this run has {value}: resuming would "
+                    f"skip or repeat training samples; resume with the checkpoint's {what}"
+                )
 
     def val_dataloader(self) -> DataLoader:
         """Sequential shards per rank; DistributedSampler pads the last one with repeats,

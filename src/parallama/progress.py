@@ -1,0 +1,74 @@
+"""Progress that reads well where it lands: a live bar on a terminal, plain lines in a log file.
+
+A progress bar redraws one line in place, so in a file (`> train.log`, a SLURM job's output) it shows nothing
+until the end. When stdout is not a terminal a line is logged every few optimizer steps instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+log = logging.getLogger("parallama")
+
+
+def progress_bar(refresh_rate: int = 10, line_every_n_steps: int = 50) -> ProgressBar:
+    """`RichProgressBar(refresh_rate)` on a terminal, else `LineProgress(line_every_n_steps)`."""
+    if sys.stdout.isatty():
+        return RichProgressBar(refresh_rate=refresh_rate)
+    return LineProgress(line_every_n_steps)
+
+
+class LineProgress(ProgressBar):
+    """`step 150/500 (30%)  train/loss 1.9321  3.1 steps/s  eta 1m53s`, every N optimizer steps, and each
+    validation's result. Lightning disables progress bars on every rank but 0."""
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        super().__init__()
+        self.every_n_steps = every_n_steps
+        self._enabled = True
+        self._started: tuple[float, int] | None = None
+        self._last_logged = -1
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._started = (time.monotonic(), trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if not self._enabled or step == self._last_logged or step % self.every_n_steps:
+            return
+        self._last_logged = step
+        start_time, start_step = self._started
+        rate = (step - start_step) / max(time.monotonic() - start_time, 1e-9)
+        total = trainer.max_steps if trainer.max_steps > 0 else None
+        parts = [f"step {step}" + (f"/{total} ({100 * step / total:.0f}%)" if total else "")]
+        loss = self.get_metrics(trainer, pl_module).get("train/loss")
+        if loss is not None:
+            parts.append(f"train/loss {float(loss):.4f}")
+        parts.append(f"{rate:.2f} steps/s")
+        if total and rate > 0:
+            parts.append(f"eta {_duration((total - step) / rate)}")
+        log.info("  ".join(parts))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._enabled or trainer.sanity_checking:
+            return
+        metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:
+            log.info(f"step {trainer.global_step}  " + "  ".join(f"{k} {v}" for k, v in metrics.items()))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

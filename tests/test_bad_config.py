@@ -1,0 +1,197 @@
+"""Bad config input: each case is refused before any work, in one line naming the key and what is valid.
+
+72 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
+Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
+`test_cli_*` check on the real command line that the line is all the user sees.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import run_cli
+
+from parallama import CONF_DIR
+from parallama.checks import preflight
+from parallama.errors import ConfigError
+
+CASES = [  # (overrides, what the one line must say)
+    (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
+    (["model.foo=1"], "unknown config key 'model.foo'; to add a new key write +model.foo=..."),
+    (["+model.foo=1"], "model: LlamaConfig.__init__() got an unexpected keyword argument 'foo'"),
+    (["model=tinyy"], "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_8b"),
+    (["strategy=zero"], "strategy=zero is not an option of config group 'strategy'; valid: auto, ddp"),
+    (["debug=fast"], "debug=fast is not an option of config group 'debug'"),
+    (["logger=mlflow"], "logger=mlflow is not an option of config group 'logger'"),
+    (["experiment=nonexistent"], "experiment=nonexistent is not an option of config group 'experiment'"),
+    (["data/source=files"], "data.source.paths is required"),
+    (["model.num_attention_heads=3"], "model.num_attention_heads=3 must divide model.hidden_size=128"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
+    (["model.hidden_size=-128"], "model.hidden_size=-128 must be a positive int"),
+    (["model.rms_norm_eps=-1"], "model.rms_norm_eps=-1 must be > 0"),
+    (["model.rope_theta=0"], "model.rope_theta=0 must be > 0"),
+    (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_position_embeddings=1024"),
+    (["data.seq_len=0"], "data.seq_len=0 is not valid; use an integer >= 1"),
+    (["data.batch_size=0"], "data.batch_size=0 is not valid; use an integer >= 1"),
+    (["data.packing=maybe"], "data.packing='maybe' is not valid; use true or false"),
+    (["data.val_fraction=1"], "data.val_fraction=1 is not valid; use a number in [0, 1)"),
+    (["data.val_fraction=-0.1"], "data.val_fraction=-0.1 is not valid"),
+    (["data.num_workers=-1"], "data.num_workers=-1 is not valid; use an integer >= 0"),
+    (
+        ["data.source.max_documents=0"],
+        "data.source.max_documents=0 is not valid; use an integer >= 1 or null",
+    ),
+    (["data.source.corpus=poetry"], "data.source.corpus='poetry' is not valid; use one of 'prose', 'code'"),
+    (
+        ["tokenizer=bpe", "tokenizer.vocab_size=100"],
+        "tokenizer.vocab_size=100 is not valid; use an integer >= 260",
+    ),
+    (["trainer.max_steps=abc"], "trainer.max_steps='abc' is not valid; use an integer >= 1 or -1"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0 is not valid"),
+    (["trainer.max_epochs=0"], "trainer.max_epochs=0 is not valid"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes=0 is not valid; use an integer >= 1"),
+    (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
+    (
+        ["trainer.accumulate_grad_batches=-2"],
+        "trainer.accumulate_grad_batches=-2 is not valid; use an integer >= 1",
+    ),
+    (
+        ["trainer.gradient_clip_val=-1"],
+        "trainer.gradient_clip_val=-1 is not valid; use a number >= 0 or null",
+    ),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0 is not valid; use an integer >= 1"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 is not valid; use a number > 0 or null"),
+    (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches=-1 is not valid"),
+    (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 is not valid"),
+    (["trainer.overfit_batches=-1"], "trainer.overfit_batches=-1 is not valid"),
+    (["trainer.fast_dev_run=-1"], "trainer.fast_dev_run=-1 is not valid"),
+    (["trainer.num_sanity_val_steps=-2"], "trainer.num_sanity_val_steps=-2 is not valid"),
+    (["trainer.precision=bf17"], "trainer.precision='bf17' is not valid; use one of '32-true'"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator='tpu' is not valid; use one of 'auto', 'cpu', 'gpu'"),
+    (["trainer.deterministic=sometimes"], "trainer.deterministic='sometimes' is not valid"),
+    (["seed=-1"], "seed=-1 is not valid; use an integer >= 0"),
+    (["seed=abc"], "seed='abc' is not valid"),
+    (["global_batch_size=50", "data.batch_size=16"], "global_batch_size=50 is not a multiple of"),
+    (["global_batch_size=0"], "global_batch_size=0 is not valid; use an integer >= 1 or null"),
+    (["global_batch_size=32", "trainer.accumulate_grad_batches=4"], "set only one of them"),
+    (["optimizer.lr=5"], "optimizer.lr=5 is not valid; use a number in (0, 1]"),
+    (["optimizer.lr=0"], "optimizer.lr=0 is not valid"),
+    (["optimizer.lr=fast"], "optimizer.lr='fast' is not valid"),
+    (["optimizer.weight_decay=-1"], "optimizer.weight_decay=-1 is not valid; use a number >= 0"),
+    (["optimizer.eps=0"], "optimizer.eps=0 is not valid; use a number > 0"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] is not valid; use two numbers in [0, 1)"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas=[0.9, 1.5] is not valid"),
+    (["optimizer.fused=perhaps"], "optimizer.fused='perhaps' is not valid; use true or false or null"),
+    (["scheduler.warmup_steps=700"], "scheduler.warmup_steps=700 is not below trainer.max_steps=500"),
+    (["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1 must be an integer >= 0 or auto"),
+    (["scheduler.warmup_steps=soon"], "scheduler.warmup_steps='soon' must be an integer >= 0 or auto"),
+    (["scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio=2 is not valid; use a number in [0, 1]"),
+    (["scheduler.warmup_start_factor=-0.5"], "scheduler.warmup_start_factor=-0.5 is not valid"),
+    (["sample.max_new_tokens=-5"], "sample.max_new_tokens=-5 is not valid; use an integer >= 0"),
+    (["sample.temperature=-1"], "sample.temperature=-1 is not valid; use a number >= 0"),
+    (["sample.top_k=0"], "sample.top_k=0 is not valid; use an integer >= 1 or null"),
+    (["compile=yes"], "compile='yes' is not valid; use true or false"),
+    (["activation_checkpointing=2"], "activation_checkpointing=2 is not valid; use true or false"),
+    (["validate_before_training=maybe"], "validate_before_training='maybe' is not valid"),
+    (["callbacks.last_checkpoint.every_n_train_steps=0"], "callbacks.last_checkpoint.every_n_train_steps=0"),
+    (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode='sometimes' is not valid"),
+    (["strategy=deepspeed", "strategy.stage=4"], "strategy.stage=4 is not valid; use one of 1, 2, 3"),
+    (
+        ["strategy=deepspeed", "strategy.offload_optimizer=maybe"],
+        "strategy.offload_optimizer='maybe' is not valid",
+    ),
+    (["strategy=fsdp", "strategy.mixed_precision=int8"], "strategy.mixed_precision='int8' is not valid"),
+    (["strategy=fsdp", "strategy.reshard_after_forward=2"], "strategy.reshard_after_forward=2 is not valid"),
+    (
+        ["strategy=ddp", "strategy.process_group_backend=mpi"],
+        "strategy.process_group_backend='mpi' is not valid",
+    ),
+    (["strategy=ddp", "strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb=0 is not valid; use a number > 0"),
+    # Hydra's own flags: a sweep is checked job by job, --cfg like a run
+    (
+        ["-m", "optimizer.lr=1e-3,2"],
+        "optimizer.lr=2 is not valid; use a number in (0, 1] (in the sweep job with",
+    ),
+    (["-m", "model=tiny,tinyy"], "model=tinyy is not an option of config group 'model'"),
+    (["--multirun", "trainer.max_stepz=1,2"], "unknown config key 'trainer.max_stepz'"),
+    (["--cfg", "job", "trainer.max_stepz=1"], "unknown config key 'trainer.max_stepz'"),
+    (["-c", "all", "data.packing=maybe"], "data.packing='maybe' is not valid"),
+]
+ON_CPU_ONLY = [
+    (
+        ["strategy=ddp", "strategy.process_group_backend=nccl"],
+        "strategy.process_group_backend=nccl needs GPUs",
+    ),
+    (["strategy=fsdp", "strategy.mixed_precision=fp16"], "strategy.mixed_precision=fp16 needs GPUs"),
+    (["trainer.accelerator=gpu"], "trainer.accelerator=gpu but no GPU is visible"),
+    ([f"trainer.devices={(os.cpu_count() or 1) + 1}"], "CPU processes but this machine has"),
+]
+
+
+def refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as err:
+        preflight(CONF_DIR, "train", overrides)
+    return str(err.value)
+
+
+def test_there_are_at_least_60_cases():
+    assert len(CASES) + len(ON_CPU_ONLY) >= 60
+
+
+@pytest.mark.parametrize("overrides, message", CASES, ids=[" ".join(o) for o, _ in CASES])
+def test_bad_input_is_one_line_naming_the_key(overrides, message):
+    text = refusal(overrides)
+    assert message in text
+    assert "\n" not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the messages for a machine without a GPU")
+@pytest.mark.parametrize("overrides, message", ON_CPU_ONLY, ids=[" ".join(o) for o, _ in ON_CPU_ONLY])
+def test_gpu_settings_on_a_cpu_machine(overrides, message):
+    text = refusal(overrides)
+    assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.max_steps=5"],  # a smoke test: the default warmup (auto) shrinks to fit
+        ["trainer.fast_dev_run=true"],
+        ["debug=fdr"],
+        ["debug=limit"],
+        ["logger=none"],
+        ["-m", "optimizer.lr=1e-3,3e-3"],
+        ["--cfg", "job", "data/source=files"],  # printing a config that still needs a value is fine
+        ["hparams_search=lr_optuna"],
+        ["--help"],
+    ],
+)
+def test_good_input_passes(overrides):
+    preflight(CONF_DIR, "train", overrides)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["trainer.max_stepz=3"],
+            "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
+        ),
+        (["-m", "optimizer.lr=1e-3,2"], "error: optimizer.lr=2 is not valid"),
+        (["--cfg", "job", "data.packing=maybe"], "error: data.packing='maybe' is not valid"),
+        # raised inside a constructor Hydra instantiates: still one line, naming the key
+        (
+            ["+trainer.bogus=1"],
+            "error: trainer: Trainer.__init__() got an unexpected keyword argument 'bogus'",
+        ),
+    ],
+)
+def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
+    proc = run_cli("parallama.train", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert message in out
+    assert "Traceback" not in out and "Error executing job" not in out
+    assert len([line for line in out.splitlines() if "error:" in line]) == 1

@@ -1,0 +1,128 @@
+"""What a resume continues, and what it refuses: extending a finished run, a changed LR, changed data order.
+
+One 6-step run (`finished`) is shared by the tests; each resume is one more single-process run.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+from conftest import train
+
+from parallama.errors import ConfigError
+from parallama.launch import resolve_ckpt_path
+
+# A constant LR, so that a run's schedule does not depend on its length: extending a run is then comparable
+# with a run that was that long from the start (with the default cosine the longer run's schedule differs).
+CONSTANT_LR = ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=1", "trainer.val_check_interval=3"]
+
+
+def weights(ckpt) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def rows(run_dir) -> list[dict]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_cache):
+    tmp = tmp_path_factory.mktemp("finished")
+    train(*CONSTANT_LR, "trainer.max_steps=6", cwd=tmp, cache=data_cache, run_dir=tmp / "run")
+    return tmp / "run"
+
+
+def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data_cache):
+    """The end-of-run checkpoint is taken at the last step, so a higher max_steps continues the same epoch."""
+    train(*CONSTANT_LR, "trainer.max_steps=12", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "straight")
+    extended = tmp_path / "extended"
+    train(
+        *CONSTANT_LR,
+        "trainer.max_steps=12",
+        f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=extended,
+    )
+    expected = weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    actual = weights(extended / "checkpoints" / "last.ckpt")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def test_resume_in_the_same_directory_appends_to_the_metrics(finished, tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(*CONSTANT_LR, "trainer.max_steps=6", cwd=tmp_path, cache=data_cache, run_dir=run)
+    before = rows(run)
+    train(*CONSTANT_LR, "trainer.max_steps=9", "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)
+    after = rows(run)
+    assert (
+        after[: len(before)] == [{**r, **{k: r.get(k, "") for k in after[0]}} for r in before][: len(before)]
+    )
+    steps = sorted({int(r["step"]) for r in after if r["train/loss"]})
+    assert steps[0] == 0 and steps[-1] == 8  # the first run's history is still there, and the resumed steps
+
+
+def test_a_new_lr_applies_on_resume(finished, tmp_path, data_cache):
+    proc = train(
+        *CONSTANT_LR,
+        "trainer.max_steps=8",
+        "optimizer.lr=1e-4",
+        f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+    )
+    assert "resuming with optimizer.lr=0.0001 (the checkpoint's run had 0.003)" in proc.stdout + proc.stderr
+    lrs = [float(r["lr-AdamW/pg1"]) for r in rows(tmp_path / "run") if r.get("lr-AdamW/pg1")]
+    assert lrs and all(lr == pytest.approx(1e-4) for lr in lrs)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.seq_len=32", "was trained with data.seq_len=64 but this run has 32"),
+        ("data.batch_size=2", "was trained with data.batch_size=4 but this run has 2"),
+        ("seed=3", "was trained with seed=42 but this run has 3"),
+        ("data.packing=false", "was trained with data.packing=True but this run has False"),
+        ("trainer.max_steps=6", "is at step 6 and trainer.max_steps=6: nothing is left to train"),
+    ],
+)
+def test_a_resume_that_would_change_the_data_order_is_refused(
+    finished, tmp_path, data_cache, override, message
+):
+    proc = train(
+        *CONSTANT_LR,
+        "trainer.max_steps=12",
+        override,
+        f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert message in out and "Traceback" not in out
+    assert len([line for line in out.splitlines() if "error:" in line]) == 1
+
+
+def test_ckpt_path_last_takes_the_newest_run_and_skips_sweeps(tmp_path):
+    runs, sweeps = tmp_path / "train" / "runs", tmp_path / "train" / "multiruns"
+    paths = {
+        "old": runs / "a" / "checkpoints" / "last.ckpt",
+        "swapping": runs / "b" / "checkpoints" / "last.ckpt.old",  # killed while swapping in a folder ckpt
+        "sweep": sweeps / "c" / "0" / "checkpoints" / "last.ckpt",
+    }
+    for age, path in enumerate(paths.values()):
+        path.parent.mkdir(parents=True)
+        path.write_text("x")
+        os.utime(path, (1000 + age, 1000 + age))
+    own = tmp_path / "new"
+    assert resolve_ckpt_path("last", str(own), str(runs)) == str(paths["swapping"])
+    with pytest.raises(ConfigError, match="no run under"):
+        resolve_ckpt_path("last", str(own), str(tmp_path / "other" / "runs"))

@@ -39,7 +39,8 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
     """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
 
     A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
-    their first value. `--cfg` prints configs that may still lack required values, so those are not asked.
+    their first value. `--cfg` only prints: the config may still lack required values or name GPUs that this
+    machine does not have.
     """
     overrides, printing = [], False
     args = iter(argv)
@@ -58,7 +59,7 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for job, label in _sweep_jobs(overrides):
             try:
-                _check_job(config_name, job, check_required=not printing)
+                _check_job(config_name, job, printing)
             except ConfigError as err:
                 raise ConfigError(f"{err} (in the sweep job with {label})" if label else str(err)) from None
 
@@ -94,7 +95,7 @@ def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
     ]
 
 
-def _check_job(config_name: str, overrides: list[str], check_required: bool) -> None:
+def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -109,10 +110,10 @@ def _check_job(config_name: str, overrides: list[str], check_required: bool) -> 
     with open_dict(cfg):
         del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing and check_required:
+    if missing and not printing:
         raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
     if not missing:
-        check_config(cfg)
+        check_config(cfg, hardware=not printing)
 
 
 def _one_line(message: str, compose_defaults: Callable[[], DictConfig]) -> str:
@@ -146,7 +147,8 @@ def _did_you_mean(key: str, defaults: DictConfig) -> str:
     return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, hardware: bool = True) -> None:
+    """`hardware=False` leaves out what depends on this machine (GPUs, cores): for `--cfg`, which only prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
     _check_optimizer(cfg)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
@@ -155,9 +157,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
-    _check_devices(trainer)
-    _check_strategy(cfg)
-    _resolve_global_batch(cfg)
+    if hardware:
+        _check_devices(trainer)
+        _check_strategy(cfg)
+        _resolve_global_batch(cfg)
 
 
 class Rule:
@@ -277,6 +280,12 @@ def _check_values(cfg: DictConfig) -> None:
             continue
         if not rule.valid(value):
             raise ConfigError(f"{key}={_show(value)} is not valid; use {rule.describe()}")
+    interval = cfg.trainer.get("val_check_interval")
+    if isinstance(interval, float) and cfg.trainer.get("check_val_every_n_epoch") is None:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} is a fraction of an epoch, which needs "
+            "trainer.check_val_every_n_epoch=1 (or give a number of batches, e.g. 100)"
+        )
 
 
 def _show(value) -> str:

@@ -27,8 +27,10 @@ def instantiate_dict(node: DictConfig | None) -> list:
     return [hydra.utils.instantiate(v) for v in (node or {}).values() if v is not None and "_target_" in v]
 
 
-def train(cfg: DictConfig) -> float | None:
-    """Run one training job; returns the final `optimized_metric` (default val/loss), which sweeps optimize."""
+def train(cfg: DictConfig) -> tuple[dict, dict]:
+    """Run one training job. Returns the final metrics (`val/loss`, ...) and the objects it built (cfg,
+    datamodule, model, callbacks, logger, trainer), as lightning-hydra-template's `train` does, so a config
+    composed with `hydra.compose(..., return_hydra_config=True)` can be trained from Python (tests, notebooks)."""
     check_config(cfg)
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
@@ -75,7 +77,7 @@ def train(cfg: DictConfig) -> float | None:
     for logger in trainer.loggers:
         logger.log_hyperparams(
             {
-                "config": OmegaConf.to_container(cfg, resolve=True),
+                "config": job_config(cfg),
                 "model/params": module.config.num_params(),
                 "model/flops_per_token": module.config.flops_per_token(cfg.data.seq_len),
             }
@@ -96,8 +98,9 @@ def train(cfg: DictConfig) -> float | None:
 
     sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None
     report(trainer, output_dir, sample)
-    metric = trainer.callback_metrics.get(cfg.get("optimized_metric", "val/loss"))
-    return float(metric) if metric is not None else None
+    objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
+    objects.update(logger=loggers, trainer=trainer)
+    return dict(trainer.callback_metrics), objects
 
 
 def check_resume_position(ckpt_path: str, state: dict, datamodule, trainer) -> None:
@@ -142,6 +145,11 @@ def last_checkpoint_note(cfg: DictConfig) -> str:
     return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
 
 
+def job_config(cfg: DictConfig) -> dict:
+    """The resolved config without Hydra's own node (present when composed with return_hydra_config)."""
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+
+
 def print_config(cfg: DictConfig) -> None:
     """Shown highlighted on a terminal, and in full (not cut at 80 columns) in a log file."""
     from lightning.pytorch.utilities import rank_zero_only
@@ -151,7 +159,7 @@ def print_config(cfg: DictConfig) -> None:
     from rich.console import Console
     from rich.syntax import Syntax
 
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    text = OmegaConf.to_yaml(job_config(cfg))
     console = Console()
     if console.is_terminal:
         console.print(Syntax(text, "yaml", theme="ansi_dark"))
@@ -188,12 +196,25 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    """Returns the final `optimized_metric` (default val/loss): the value sweeps (Optuna) minimize."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
-        return train(cfg)
+        metrics, _ = train(cfg)
+        name = cfg.get("optimized_metric")
+        if name and name not in metrics:  # a sweeper cannot score the trial
+            raise ConfigError(
+                f"optimized_metric={name} was not logged by this run; logged: {', '.join(sorted(metrics))} "
+                "(is validation off? trainer.limit_val_batches must be > 0)"
+            )
+        metric = metrics.get(name or "val/loss")
+        return float(metric) if metric is not None else None
     except (ConfigError, FileNotFoundError) as err:
         log.error(f"error: {err}")
+        sys.exit(2)
+    except MisconfigurationException as err:  # Lightning's own one-line complaints about Trainer settings
+        log.error(f"error: {' '.join(str(err).split())}")
         sys.exit(2)
     except hydra.errors.InstantiationException as err:
         log.error(f"error: {instantiation_error(err)}")

@@ -1,0 +1,255 @@
+"""lightning-hydra-template's own test suite, ported to parallama with the fewest renames.
+
+Source: github.com/ashleve/lightning-hydra-template (MIT), tests/conftest.py, test_configs.py, test_train.py,
+test_sweeps.py and test_eval.py. What had to change, and why:
+- `src.train.train` -> `parallama.train.train`; configs come from parallama's conf/ (`CONF_DIR`).
+- Metrics: LHT's MNIST model logs `*/acc`; a language model logs `*/loss`, which must fall where acc rises.
+- Checkpoint names: LHT's `epoch_000.ckpt` is parallama's `step0000001.ckpt` (the best by val/loss).
+- `limit_val_batches=0.1` -> 0.5, and with 2 ranks `limit_train_batches=0.01` -> 0.05: the embedded corpus
+  is small (110 train and 3 validation batches), and Lightning refuses a fraction that selects no batch. LHT's `limit_test_batches`, `data.pin_memory` and `extras.*` have no counterpart.
+- `trainer.strategy="ddp_spawn"` -> `trainer=ddp_sim`: the strategy is its own config group here.
+- `val_check_interval=0.5` needs `check_val_every_n_epoch=1` (parallama validates every N steps by default).
+- Sweeps: `model.optimizer.lr` -> `optimizer.lr`, `hparams_search=mnist_optuna` -> `lr_optuna`, `+trainer.limit_*`
+  -> `++` (the keys exist in parallama's trainer config), and `experiment=glob(*)` runs on the embedded corpus
+  (offline) at the tiny width.
+- As in LHT, `slow` marks the long cases (all epochs, multi-process sweeps); the default suite runs the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from parallama import CONF_DIR
+from parallama.train import train
+
+RunIfGPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+# --- conftest.py -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cfg_train_global(data_cache) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train.yaml", return_hydra_config=True, overrides=[])
+
+        with open_dict(cfg):
+            cfg.paths.root_dir = str(Path.cwd())
+            cfg.paths.cache_dir = str(data_cache)  # shared tokenized corpus (LHT downloads MNIST once)
+            cfg.trainer.max_epochs = 1
+            cfg.trainer.limit_train_batches = 0.01
+            cfg.trainer.limit_val_batches = 0.5
+            cfg.trainer.accelerator = "cpu"
+            cfg.trainer.devices = 1
+            cfg.data.num_workers = 0
+            cfg.logger = None
+
+    return cfg
+
+
+@pytest.fixture(scope="function")
+def cfg_train(cfg_train_global: DictConfig, tmp_path: Path) -> DictConfig:
+    cfg = cfg_train_global.copy()
+
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        cfg.paths.log_dir = str(tmp_path)
+
+    yield cfg
+
+    GlobalHydra.instance().clear()
+
+
+# --- test_configs.py ---------------------------------------------------------------------------------------
+
+
+def test_train_config(cfg_train: DictConfig) -> None:
+    assert cfg_train
+    assert cfg_train.data
+    assert cfg_train.model
+    assert cfg_train.trainer
+
+    HydraConfig().set_config(cfg_train)
+
+    hydra.utils.instantiate(cfg_train.data)
+    hydra.utils.instantiate(cfg_train.model)
+    hydra.utils.instantiate(cfg_train.trainer)
+
+
+# --- test_train.py -----------------------------------------------------------------------------------------
+
+
+def test_train_fast_dev_run(cfg_train: DictConfig) -> None:
+    HydraConfig().set_config(cfg_train)
+    with open_dict(cfg_train):
+        cfg_train.trainer.fast_dev_run = True
+        cfg_train.trainer.accelerator = "cpu"
+    train(cfg_train)
+
+
+@RunIfGPU
+def test_train_fast_dev_run_gpu(cfg_train: DictConfig) -> None:
+    HydraConfig().set_config(cfg_train)
+    with open_dict(cfg_train):
+        cfg_train.trainer.fast_dev_run = True
+        cfg_train.trainer.accelerator = "gpu"
+    train(cfg_train)
+
+
+@RunIfGPU
+@pytest.mark.slow
+def test_train_epoch_gpu_amp(cfg_train: DictConfig) -> None:
+    HydraConfig().set_config(cfg_train)
+    with open_dict(cfg_train):
+        cfg_train.trainer.max_epochs = 1
+        cfg_train.trainer.accelerator = "cpu"
+        cfg_train.trainer.precision = "16-mixed"
+    train(cfg_train)
+
+
+def test_train_epoch_double_val_loop(cfg_train: DictConfig) -> None:
+    HydraConfig().set_config(cfg_train)
+    with open_dict(cfg_train):
+        cfg_train.trainer.max_epochs = 1
+        cfg_train.trainer.val_check_interval = 0.5
+        cfg_train.trainer.check_val_every_n_epoch = 1
+    train(cfg_train)
+
+
+def test_train_ddp_sim(cfg_train: DictConfig, tmp_path: Path, data_cache) -> None:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train.yaml", return_hydra_config=True, overrides=["trainer=ddp_sim"])
+    with open_dict(cfg):
+        for key in ("paths", "data", "logger"):
+            cfg[key] = cfg_train[key]
+        cfg.trainer.limit_train_batches = 0.05
+        cfg.trainer.limit_val_batches = cfg_train.trainer.limit_val_batches
+        cfg.trainer.max_epochs = 2
+        cfg.trainer.accelerator = "cpu"
+        cfg.trainer.devices = 2
+    HydraConfig().set_config(cfg)
+    metric_dict, _ = train(cfg)
+    assert "last.ckpt" in os.listdir(tmp_path / "checkpoints")
+
+
+def test_train_resume(tmp_path: Path, cfg_train: DictConfig) -> None:
+    with open_dict(cfg_train):
+        cfg_train.trainer.max_epochs = 1
+
+    HydraConfig().set_config(cfg_train)
+    metric_dict_1, _ = train(cfg_train)
+
+    files = os.listdir(tmp_path / "checkpoints")
+    assert "last.ckpt" in files
+    assert "step0000001.ckpt" in files
+
+    with open_dict(cfg_train):
+        cfg_train.ckpt_path = str(tmp_path / "checkpoints" / "last.ckpt")
+        cfg_train.trainer.max_epochs = 2
+
+    metric_dict_2, _ = train(cfg_train)
+
+    files = os.listdir(tmp_path / "checkpoints")
+    assert "step0000002.ckpt" in files
+    assert "step0000003.ckpt" not in files
+
+    assert metric_dict_1["train/loss"] > metric_dict_2["train/loss"]
+    assert metric_dict_1["val/loss"] > metric_dict_2["val/loss"]
+
+
+# --- test_sweeps.py ----------------------------------------------------------------------------------------
+
+overrides = ["logger=[]"]
+
+
+def run_sh_command(command: list[str], cache: Path, cwd: Path) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
+    }
+    env.update(OMP_NUM_THREADS="1", WANDB_DIR=str(cwd), WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "parallama.train", *command, f"paths.cache_dir={cache}"]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(command)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.slow
+def test_experiments(tmp_path: Path, data_cache) -> None:
+    command = [
+        "-m",
+        "experiment=glob(*)",
+        "hydra.sweep.dir=" + str(tmp_path),
+        "++trainer.fast_dev_run=true",
+        "data/source=embedded",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        "model.hidden_size=128",
+        "model.intermediate_size=384",
+        "model.num_hidden_layers=2",
+    ] + overrides
+    run_sh_command(command, data_cache, tmp_path)
+
+
+def test_hydra_sweep(tmp_path: Path, data_cache) -> None:
+    command = [
+        "-m",
+        "hydra.sweep.dir=" + str(tmp_path),
+        "optimizer.lr=0.005,0.01",
+        "++trainer.fast_dev_run=true",
+    ] + overrides
+
+    run_sh_command(command, data_cache, tmp_path)
+
+
+@pytest.mark.slow
+def test_hydra_sweep_ddp_sim(tmp_path: Path, data_cache) -> None:
+    command = [
+        "-m",
+        "hydra.sweep.dir=" + str(tmp_path),
+        "trainer=ddp_sim",
+        "trainer.max_epochs=3",
+        "++trainer.limit_train_batches=0.05",
+        "++trainer.limit_val_batches=0.5",
+        "optimizer.lr=0.005,0.01,0.02",
+    ] + overrides
+    run_sh_command(command, data_cache, tmp_path)
+
+
+def test_optuna_sweep(tmp_path: Path, data_cache) -> None:
+    command = [
+        "-m",
+        "hparams_search=lr_optuna",
+        "hydra.sweep.dir=" + str(tmp_path),
+        "hydra.sweeper.n_trials=10",
+        "hydra.sweeper.sampler.n_startup_trials=5",
+        "++trainer.fast_dev_run=true",
+    ] + overrides
+    run_sh_command(command, data_cache, tmp_path)
+
+
+@pytest.mark.slow
+def test_optuna_sweep_ddp_sim_wandb(tmp_path: Path, data_cache) -> None:
+    command = [
+        "-m",
+        "hparams_search=lr_optuna",
+        "hydra.sweep.dir=" + str(tmp_path),
+        "hydra.sweeper.n_trials=5",
+        "trainer=ddp_sim",
+        "trainer.max_epochs=3",
+        "++trainer.limit_train_batches=0.05",
+        "++trainer.limit_val_batches=0.5",
+        "logger=wandb",
+    ]
+    run_sh_command(command, data_cache, tmp_path)

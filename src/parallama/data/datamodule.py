@@ -233,8 +233,8 @@ class TextDataModule(LightningDataModule):
             for (_, first, last), enc in zip(
                 batch, tok.encode_batch([text for text, _, _ in batch], add_special_tokens=False), strict=True
             ):
-                arrays += [bot] * first + [np.array(enc.ids, dtype)] + [eot] * last
-                n = len(enc.ids) + first + last
+                arrays += [bot] * first + [encoded := np.array(enc.ids, dtype)] + [eot] * last
+                n = len(encoded) + first + last
                 doc_len, n_tokens = doc_len + n, n_tokens + n
                 if last:
                     lengths.append(doc_len)

@@ -1,15 +1,20 @@
-"""Data pipeline tests: tokenizers, sources, caching, packing/padding, sampling."""
+"""Data pipeline tests: tokenizers, sources, caching, packing/padding, sampling. Bad input: test_bad_data.py."""
 
 import json
+import logging
 import os
 import pickle
+import random
+import stat
+import sys
 from functools import partial
+from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from parallama.data import (
     BOT,
@@ -27,6 +32,9 @@ from parallama.data import (
     special_ids,
     train_bpe,
 )
+from parallama.data.datamodule import _source_key
+from parallama.data.progress import Progress
+from parallama.data.tokenizer import CHUNK_CHARS, SPECIALS, UNK, chunks, splits_safely
 
 TRICKY = [
     "",
@@ -111,6 +119,64 @@ def test_from_pretrained_maps_existing_bos_eos_and_adds_pad(tmp_path):
     assert loaded.get_vocab_size() == 259
     assert special_ids(loaded) == (256, 257, 258)
     assert loaded.token_to_id(PAD) == 258 and loaded.token_to_id(BOT) is None
+
+
+def test_chunked_encoding_equals_whole_encoding(bpe):
+    """Cuts fall only where GPT-2 style pre-tokenizers cut, so the ids never change, at any chunk size."""
+    rng = random.Random(0)
+    alphabet = [
+        *"ab c\n\t\r  '!.,1234 xyz",
+        "é",
+        "日",
+        "😀",
+        "\u00a0",
+        "\u3000",
+        "\x1c",
+        BOT,
+        " 's",
+        "'ll",
+        "\x00",
+    ]
+    texts = TRICKY + ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300))) for _ in range(60)]
+    for tok in (byte_level(), bpe):
+        assert splits_safely(tok)
+        for text in texts:
+            whole = tok.encode(text, add_special_tokens=False).ids
+            for size in (1, 2, 5, 40):
+                pieces = list(chunks(text, size))
+                assert "".join(pieces) == text
+                assert [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids] == whole
+    long = "x" * 100 + " y" * 100
+    assert [len(p) for p in chunks(long, 151)] == [152, 148]  # cut at the first safe place past `size`
+    assert list(chunks("x" * 500, 10)) == ["x" * 500]  # nowhere safe to cut: whole
+
+
+def test_splits_safely_only_for_gpt2_style_pipelines(bpe):
+    lowercasing = Tokenizer.from_str(bpe.to_str())
+    lowercasing.normalizer = normalizers.Lowercase()
+    metaspace = Tokenizer(models.BPE(unk_token="[UNK]"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    prefix = Tokenizer.from_str(bpe.to_str())
+    prefix.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert not any(map(splits_safely, (lowercasing, metaspace, prefix)))
+
+
+def test_train_bpe_on_chunks_equals_whole_documents():
+    """train_bpe feeds long texts in chunks: the same word counts, so the same tokenizer as unchunked."""
+    long = "\n".join(embedded())
+    assert len(long) > 2 * CHUNK_CHARS
+    reference = Tokenizer(models.BPE(unk_token=UNK))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    reference.train_from_iterator([long], trainer=trainer)
+    assert train_bpe([long], vocab_size=400).to_str() == reference.to_str()
 
 
 # --- sources ----------------------------------------------------------------
@@ -339,3 +405,114 @@ def test_datamodule_errors(tmp_path):
     with pytest.raises(ValueError) as e:
         _dm(tmp_path, seq_len=10**6).setup("fit")
     _one_line_error(e, "data.seq_len", "tokens")
+
+
+def _files_dm(tmp_path, paths, tokenizer=byte_level, **kw):
+    kw = {"seq_len": 8, "batch_size": 1, "val_fraction": 0.0, "cache_dir": str(tmp_path / "cache"), **kw}
+    return TextDataModule(source=partial(files, paths=paths), tokenizer=partial(tokenizer), **kw)
+
+
+def _all_docs(dm):
+    return sorted(_split_docs(dm, "train") + (_split_docs(dm, "val") if dm.val_fraction else []))
+
+
+@pytest.mark.parametrize("tokenizer", [byte_level, partial(train_bpe, vocab_size=300)])
+def test_editing_a_file_in_place_builds_a_new_cache_entry(tmp_path, caplog, tokenizer):
+    (tmp_path / "a.txt").write_text("the old text of a")
+    (tmp_path / "b.txt").write_text("b stays the same")
+    pattern = str(tmp_path / "*.txt")
+    caplog.set_level(logging.INFO, logger="parallama")
+    old = _files_dm(tmp_path, pattern, tokenizer)
+    old.prepare_data()
+    assert f"building token cache {old.data_dir}" in caplog.text
+    assert _files_dm(tmp_path, pattern, tokenizer).data_dir == old.data_dir  # identical inputs, same entry
+    caplog.clear()
+    _files_dm(tmp_path, pattern, tokenizer).prepare_data()
+    n_tokens = sum(map(len, _all_docs(old)))
+    assert f"reusing token cache {old.data_dir}: 2 docs, {n_tokens:,} tokens" in caplog.text
+
+    stamp = os.stat(tmp_path / "a.txt").st_mtime_ns
+    (tmp_path / "a.txt").write_text("the NEW text of a")  # same name and size
+    os.utime(tmp_path / "a.txt", ns=(stamp + 10**9, stamp + 10**9))
+    new = _files_dm(tmp_path, pattern, tokenizer)
+    assert new.data_dir != old.data_dir
+    new.prepare_data()
+    tok, ids = new.tokenizer, new.special_ids
+    expected = sorted(
+        tuple([ids.bot, *tok.encode(t).ids, ids.eot]) for t in ("the NEW text of a", "b stays the same")
+    )
+    assert _all_docs(new) == expected
+    assert os.path.isdir(old.data_dir)  # the old entry is left alone
+    if tokenizer is not byte_level:  # the trained tokenizer is keyed on the files too
+        assert len([p for p in os.listdir(tmp_path / "cache") if p.startswith("tokenizer-")]) == 2
+
+
+def test_source_keys_cover_what_the_documents_depend_on(tmp_path):
+    assert _source_key(partial(embedded, max_documents=3))[1] == [sys.version]
+    (tmp_path / "a.txt").write_text("a")
+    st = os.stat(tmp_path / "a.txt")
+    assert _source_key(partial(files, paths=str(tmp_path / "*.txt")))[1] == [
+        [str(tmp_path / "a.txt"), st.st_size, st.st_mtime_ns]
+    ]
+    assert _source_key(partial(hub, name="org/set"))[1] is None  # the Hub: its config only
+
+
+@pytest.mark.parametrize("tokenizer", [byte_level, partial(train_bpe, vocab_size=300)])
+def test_long_documents_are_tokenized_in_chunks_to_the_same_ids(tmp_path, tokenizer):
+    long = "\n\n".join(embedded())  # ~465 KB: several chunks and encode batches
+    assert len(long) > 4 * CHUNK_CHARS
+    (tmp_path / "long.txt").write_text(long)
+    (tmp_path / "short.txt").write_text("a short one")
+    dm = _files_dm(tmp_path, str(tmp_path / "*.txt"), tokenizer)
+    dm.prepare_data()
+    tok, ids = dm.tokenizer, dm.special_ids
+    expected = sorted(tuple([ids.bot, *tok.encode(t).ids, ids.eot]) for t in (long, "a short one"))
+    assert _all_docs(dm) == expected
+
+
+def test_progress_logs_lines_and_a_summary_when_not_a_terminal(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="parallama")
+    with Progress("tokenizing", every=0) as progress:
+        progress.update(2, 100)
+        assert list(progress.counted(["abc", "de"])) == ["abc", "de"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("tokenizing: 2 docs, 100 tokens so far")
+    assert lines[-1].startswith("tokenizing: 4 docs, 105 tokens in ") and lines[-1].endswith(" tokens/s)")
+    caplog.clear()
+    dm = _dm(tmp_path, tokenizer=partial(train_bpe, vocab_size=300))
+    dm.prepare_data()
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().endswith("/s)")]
+    assert [m.split(":")[0] for m in summaries] == ["training tokenizer", "tokenizing"]
+    assert summaries[1].startswith(
+        f"tokenizing: 10 docs, {dm._meta()['n_tokens']['train'] + dm._meta()['n_tokens']['val']:,} tokens"
+    )
+
+
+def test_progress_shows_a_rich_line_on_a_terminal(monkeypatch, caplog):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    caplog.set_level(logging.INFO, logger="parallama")
+    with Progress("tokenizing", every=0) as progress:
+        assert progress._bar is not None
+        progress.update(1, 7)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["tokenizing: 1 docs, 7 tokens"]
+
+
+def test_cache_files_follow_the_umask(tmp_path):
+    """A team shares one cache: modes come from the umask, not mkstemp's 0600."""
+    (tmp_path / "a.txt").write_text("a document")
+    old = os.umask(0o022)
+    try:
+        for umask in (0o022, 0o002):
+            os.umask(umask)
+            cache = tmp_path / f"cache-{umask:o}"
+            dm = _files_dm(
+                tmp_path, str(tmp_path / "a.txt"), partial(train_bpe, vocab_size=300), cache_dir=str(cache)
+            )
+            dm.prepare_data()
+            paths = [cache, *cache.glob("tokenizer-*.json"), Path(dm.data_dir), *cache.glob("*/*")]
+            assert len(paths) == 9  # the cache, a tokenizer, the entry and its 6 files
+            for path in paths:
+                want = (0o777 if path.is_dir() else 0o666) & ~umask
+                assert stat.S_IMODE(path.stat().st_mode) == want, (path, oct(path.stat().st_mode))
+    finally:
+        os.umask(old)

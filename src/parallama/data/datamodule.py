@@ -1,29 +1,32 @@
 """LightningDataModule: documents -> tokenizer -> cached token memmaps -> batches.
 
 Cache layout under `cache_dir` (all writes atomic, since several ranks or nodes may
-build the same entry at once; identical inputs give identical files):
+build the same entry at once; identical inputs give identical files; modes follow the
+umask, e.g. 0644/0755, so that a team can share one cache):
 
     tokenizer-<hash>.json    trained BPE tokenizers (hash: source + tokenizer config)
-    <hash>/                  one tokenized corpus (hash: source + tokenizer config
-        train.bin, val.bin     + val_fraction + seed); flat token ids, uint16/uint32
+    <hash>/                  one tokenized corpus (hash: source + the tokenizer's own
+        train.bin, val.bin     JSON + val_fraction + seed); flat token ids, uint16/uint32
         train.idx.npy, ...     int64 document start offsets plus the final end
         meta.json              n_docs, n_tokens per split, dtype, vocab_size
         tokenizer.json         the tokenizer that produced the ids
 
-Cache keys cover the config, not file contents: delete the entry if the data changes.
-`seq_len`, `packing` and batch settings only affect loading, so they share an entry.
+"source" is its config plus its `fingerprint` (see `sources`): path, size and mtime_ns of
+each local file, the Python build for the embedded corpora; a Hub dataset has its config
+only, so delete its entry when the dataset changes. Editing a local file in place makes a
+new entry. `seq_len`, `packing` and batch settings only affect loading, so they share an entry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import itertools
 import json
+import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from functools import cached_property
 
 import numpy as np
@@ -33,10 +36,14 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
-from parallama.data.tokenizer import SpecialIds, special_ids
+from parallama.data.progress import Progress
+from parallama.data.tokenizer import CHUNK_CHARS, SpecialIds, chunks, special_ids, splits_safely
 from parallama.errors import ConfigError
 
 SPLITS = ("train", "val")
+BATCH_CHARS = 256 * 1024  # text per encode_batch call: bounds the tokenizer's Encoding objects
+
+log = logging.getLogger("parallama")
 
 
 def _spec(fn: Callable) -> str:
@@ -46,13 +53,38 @@ def _spec(fn: Callable) -> str:
     return f"{func.__module__}.{func.__qualname__}{tuple(args)!r}{sorted(kwargs.items())!r}"
 
 
+def _source_key(source: Callable) -> list:
+    """The source's config and what its documents depend on beyond it (its `fingerprint`, if any)."""
+    func = getattr(source, "func", source)
+    fingerprint = getattr(func, "fingerprint", None)
+    args, kwargs = getattr(source, "args", ()), getattr(source, "keywords", {})
+    return [_spec(source), fingerprint(*args, **kwargs) if fingerprint else None]
+
+
 def _hash(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _tmp_path(parent: str, prefix: str) -> str:
+    """A fresh name to write to and then rename. Created with open()/mkdir, so the umask sets its mode
+    (tempfile.mkstemp/mkdtemp would force 0600/0700 and make a shared cache unreadable)."""
+    return os.path.join(parent, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
 def _open_tokens(path: str, dtype: str) -> np.ndarray:
     # np.memmap refuses empty files (e.g. val.bin when val_fraction is 0)
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+
+
+def _pieces(docs: Iterable[str], size: int | None) -> Iterator[tuple[str, bool, bool]]:
+    """(text, first piece of its document, last piece) for every document, cut in `chunks` of `size`."""
+    for doc in docs:
+        parts = chunks(doc, size) if size else iter((doc,))
+        part, first = next(parts), True
+        for after in parts:
+            yield part, first, False
+            part, first = after, False
+        yield part, first, True
 
 
 class TextDataModule(LightningDataModule):
@@ -87,7 +119,7 @@ class TextDataModule(LightningDataModule):
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
         self._trains = "texts" in inspect.signature(tokenizer).parameters
-        self.data_dir = os.path.join(cache_dir, _hash(_spec(source), _spec(tokenizer), val_fraction, seed))
+        self._source_key = _source_key(source)  # also finds missing or unreadable paths before any work
         self._resume_state: dict | None = None
         self.datasets: dict[str, Dataset] = {}
 
@@ -96,17 +128,29 @@ class TextDataModule(LightningDataModule):
         if not self._trains:
             return self.tokenizer_fn()
         path = os.path.join(
-            self.cache_dir, f"tokenizer-{_hash(_spec(self.source), _spec(self.tokenizer_fn))}.json"
+            self.cache_dir, f"tokenizer-{_hash(self._source_key, _spec(self.tokenizer_fn))}.json"
         )
         if os.path.exists(path):
+            log.info(f"reusing tokenizer {path}")
             return Tokenizer.from_file(path)
-        tok = self.tokenizer_fn(texts=self.source())
+        log.info(f"training tokenizer {path}")
+        with Progress("training tokenizer", unit="chars") as progress:
+            tok = self.tokenizer_fn(texts=progress.counted(self.source()))
         os.makedirs(self.cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tokenizer-")
-        os.close(fd)
-        tok.save(tmp)
-        os.replace(tmp, path)
+        tmp = _tmp_path(self.cache_dir, ".tokenizer-")
+        try:
+            tok.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         return tok
+
+    @cached_property
+    def data_dir(self) -> str:
+        """The token cache entry: keyed on the tokenizer itself, so an edited tokenizer file gets a new one."""
+        tok = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
+        return os.path.join(self.cache_dir, _hash(self._source_key, tok, self.val_fraction, self.seed))
 
     @property
     def vocab_size(self) -> int:
@@ -119,9 +163,16 @@ class TextDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Tokenize every document to [BOT] + ids + [EOT] and split by document."""
         if os.path.isdir(self.data_dir):
+            meta = self._meta()
+            log.info(
+                f"reusing token cache {self.data_dir}: {sum(meta['n_docs'].values()):,} docs, "
+                f"{sum(meta['n_tokens'].values()):,} tokens"
+            )
             return
+        log.info(f"building token cache {self.data_dir}")
         os.makedirs(self.cache_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=self.cache_dir, prefix=f".{os.path.basename(self.data_dir)}-")
+        tmp = _tmp_path(self.cache_dir, f".{os.path.basename(self.data_dir)}-")
+        os.mkdir(tmp)
         try:
             self._build(tmp)
             os.rename(tmp, self.data_dir)
@@ -131,18 +182,16 @@ class TextDataModule(LightningDataModule):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _meta(self) -> dict:
+        with open(os.path.join(self.data_dir, "meta.json")) as f:
+            return json.load(f)
+
     def _build(self, out: str) -> None:
-        tok, ids = self.tokenizer, self.special_ids
+        tok = self.tokenizer
         dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
-        lengths, all_path = [], os.path.join(out, "all.bin")
-        with open(all_path, "wb") as f:
-            docs = iter(self.source())
-            while batch := list(itertools.islice(docs, self.tokenize_batch_size)):
-                encoded = [
-                    [ids.bot, *e.ids, ids.eot] for e in tok.encode_batch(batch, add_special_tokens=False)
-                ]
-                f.write(np.fromiter(itertools.chain.from_iterable(encoded), dtype).tobytes())
-                lengths += map(len, encoded)
+        all_path = os.path.join(out, "all.bin")
+        with open(all_path, "wb") as f, Progress("tokenizing") as progress:
+            lengths = self._tokenize(self.source(), f, dtype, progress)
         n_docs = len(lengths)
         if n_docs == 0:
             raise ConfigError("data.source yielded no documents")
@@ -166,14 +215,52 @@ class TextDataModule(LightningDataModule):
         with open(os.path.join(out, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
 
+    def _tokenize(self, docs: Iterable[str], f, dtype: np.dtype, progress: Progress) -> list[int]:
+        """Write [BOT] + ids + [EOT] of every document to `f`; returns their lengths. Memory does not grow
+        with the longest document: long ones are encoded in chunks where that keeps the ids the same
+        (`splits_safely`), at most BATCH_CHARS of text per encode_batch, ids go out as numpy arrays."""
+        tok, ids = self.tokenizer, self.special_ids
+        bot, eot = np.array([ids.bot], dtype), np.array([ids.eot], dtype)
+        size = CHUNK_CHARS if splits_safely(tok) else None
+        lengths: list[int] = []
+        doc_len = 0  # tokens so far of the document in progress (it may span batches)
+        batch: list[tuple[str, bool, bool]] = []
+        chars = 0
+
+        def flush() -> None:
+            nonlocal doc_len
+            arrays, n_tokens, n_docs = [], 0, 0
+            for (_, first, last), enc in zip(
+                batch, tok.encode_batch([text for text, _, _ in batch], add_special_tokens=False), strict=True
+            ):
+                arrays += [bot] * first + [encoded := np.array(enc.ids, dtype)] + [eot] * last
+                n = len(encoded) + first + last
+                doc_len, n_tokens = doc_len + n, n_tokens + n
+                if last:
+                    lengths.append(doc_len)
+                    doc_len, n_docs = 0, n_docs + 1
+            f.write(np.concatenate(arrays).tobytes())
+            progress.update(n_docs, n_tokens)
+            batch.clear()
+
+        for piece in _pieces(docs, size):
+            batch.append(piece)
+            chars += len(piece[0])
+            if len(batch) >= self.tokenize_batch_size or chars >= BATCH_CHARS:
+                flush()
+                chars = 0
+        if batch:
+            flush()
+        return lengths
+
     def setup(self, stage: str | None = None) -> None:
-        """Open the cached splits; builds the cache when used outside a Trainer."""
+        """Open the cached splits; builds the cache when used outside a Trainer. For `fit`, checks that
+        the train split holds one step for every rank (else the run would end having trained nothing)."""
         if self.datasets:
             return
         if not os.path.isdir(self.data_dir):
             self.prepare_data()
-        with open(os.path.join(self.data_dir, "meta.json")) as f:
-            meta = json.load(f)
+        meta = self._meta()
         for split in SPLITS:
             path = os.path.join(self.data_dir, split)
             tokens = _open_tokens(f"{path}.bin", meta["dtype"])
@@ -182,9 +269,18 @@ class TextDataModule(LightningDataModule):
             else:
                 offsets = np.load(f"{path}.idx.npy")
                 self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)
-        if len(self.datasets["train"]) == 0:
+        world = self._world()[0]
+        need = self.batch_size * world if stage == "fit" else 1
+        if (have := len(self.datasets["train"])) < need:
+            step = (
+                f"one step needs data.batch_size * world size = {need}"
+                if stage == "fit"
+                else "at least 1 is needed"
+            )
             raise ConfigError(
-                f"data.seq_len={self.seq_len} yields no train sample from {meta['n_tokens']['train']} train tokens"
+                f"data: the train split has {have} samples of seq_len {self.seq_len} "
+                f"({meta['n_tokens']['train']} tokens) but {step}; "
+                "use more data or lower data.batch_size/data.seq_len"
             )
 
     def _world(self) -> tuple[int, int]:

@@ -2,14 +2,19 @@
 
 Each call returns a fresh iterable of document strings in a deterministic order, so
 the datamodule can take one pass to train a tokenizer and another to tokenize.
-Errors are raised eagerly where possible and are one line naming the config key.
+Errors are raised eagerly where possible and are one line naming the config key and
+the file (and record). A source's `fingerprint` attribute, called with the same
+arguments, returns what its documents depend on beyond the config: the token cache
+key includes it, so changed inputs get a new cache entry.
 """
 
 from __future__ import annotations
 
 import glob
 import itertools
+import logging
 import os
+import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -40,6 +45,14 @@ def embedded(corpus: str = "prose", max_documents: int | None = None) -> Iterabl
     return itertools.islice(docs, max_documents)
 
 
+def _embedded_fingerprint(corpus: str = "prose", max_documents: int | None = None) -> list:
+    """Both corpora ship with CPython, so they change only with the Python build."""
+    return [sys.version]
+
+
+embedded.fingerprint = _embedded_fingerprint
+
+
 def _stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = (p for p in root.rglob("*.py") if not _NOT_CODE & set(p.relative_to(root).parts[:-1]))
@@ -49,25 +62,50 @@ def _stdlib_sources() -> list[Path]:
 def files(paths: str | list[str], text_key: str = "text", max_documents: int | None = None) -> Iterable[str]:
     """Local files read with `datasets.load_dataset` (streaming, so nothing is cached):
     `.txt`/`.md` hold one document per file, `.jsonl`/`.json`/`.parquet` one per record
-    (field `text_key`). Globs are expanded; files are read in sorted order per pattern."""
+    (field `text_key`, which must be a string). Globs are expanded; files are read in sorted
+    order per pattern. Files must be UTF-8 and not empty."""
+    matched = _match(paths)
+    docs = itertools.chain.from_iterable(_read(path, text_key) for path in matched)
+    return itertools.islice(docs, max_documents)
+
+
+def _files_fingerprint(
+    paths: str | list[str], text_key: str = "text", max_documents: int | None = None
+) -> list:
+    """Path, size and mtime_ns of every matched file: an edit in place changes the cache key."""
+    return [[os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in _match(paths)]
+
+
+files.fingerprint = _files_fingerprint
+
+
+def _match(paths: str | list[str]) -> list[str]:
+    """Expand the patterns, check what can be checked without reading: existence, type, extension, size."""
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
         raise ConfigError("data.source.paths is empty; give a file, a glob or a list of them")
     matched = []
     for pattern in patterns:
-        hits = [
-            p for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if os.path.isfile(p)
-        ]
+        expanded = os.path.expanduser(pattern)
+        if os.path.isdir(expanded):
+            raise ConfigError(
+                f"data.source.paths: {pattern!r} is a directory; give files or a glob such as "
+                f"'{pattern.rstrip('/')}/*.jsonl'"
+            )
+        hits = sorted(glob.glob(expanded, recursive=True))
         if not hits:
             raise FileNotFoundError(f"data.source.paths={pattern!r} matches no file")
-        matched += hits
+        if not (file_hits := [p for p in hits if os.path.isfile(p)]):
+            raise ConfigError(f"data.source.paths={pattern!r} matches only directories, e.g. {hits[0]!r}")
+        matched += file_hits
     for path in matched:
         if _ext(path) not in BUILDERS:
             raise ConfigError(
                 f"data.source.paths: {path!r} has unsupported extension; valid: {', '.join(BUILDERS)}"
             )
-    docs = itertools.chain.from_iterable(_read(path, text_key) for path in matched)
-    return itertools.islice(docs, max_documents)
+        if os.path.getsize(path) == 0:
+            raise ConfigError(f"data.source.paths: {path} is empty (0 bytes); remove it or the pattern")
+    return matched
 
 
 def _ext(path: str) -> str:
@@ -76,19 +114,37 @@ def _ext(path: str) -> str:
 
 def _read(path: str, text_key: str) -> Iterator[str]:
     key = "text" if BUILDERS[_ext(path)] == "text" else text_key
-    for row in _rows(path):
+    record = 0
+    for record, row in enumerate(_rows(path), 1):
         if key not in row:
             raise ConfigError(f"data.source.text_key={key!r} not in {path}; columns: {sorted(row)}")
-        yield row[key]
+        yield _text(row[key], key, path, record)
+    if record == 0:
+        raise ConfigError(f"data.source.paths: {path} has no records")
+
+
+def _text(text: object, key: str, where: str, record: int) -> str:
+    """`text`, if it is a string; else the error a tokenizer's TypeError would not give: which record."""
+    if not isinstance(text, str):
+        what = "missing or null" if text is None else f"a {type(text).__name__}, not a string"
+        raise ConfigError(f"data.source.text_key={key!r} in {where} record {record} is {what}")
+    return text
 
 
 def _rows(path: str) -> Iterator[dict]:
     builder = BUILDERS[_ext(path)]
     options = {"sample_by": "document"} if builder == "text" else {}
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)  # it logs the parse error we are about to raise as one line
     try:
         yield from load_dataset(builder, data_files=path, split="train", streaming=True, **options)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.source.paths: {path} is not valid UTF-8 ({e}); files must be UTF-8") from e
     except Exception as e:  # whatever the reader raises, say which file it choked on
         raise ConfigError(f"data.source.paths: cannot read {path}: {_one_line(e)}") from e
+    finally:
+        json_log.setLevel(level)
 
 
 def _one_line(e: Exception) -> str:
@@ -111,5 +167,5 @@ def hub(
         if text_key not in ds.column_names:
             raise ConfigError(f"data.source.text_key={text_key!r} not in {name}; columns: {ds.column_names}")
         ds = ds.select_columns([text_key])  # skip decoding the other columns
-    docs = (row[text_key] for row in ds)
+    docs = (_text(row.get(text_key), text_key, name, record) for record, row in enumerate(ds, 1))
     return itertools.islice(docs, max_documents)

@@ -7,9 +7,10 @@ mark document boundaries and padding: see `special_ids`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,6 +32,10 @@ _ALIASES = {
 }
 _OURS = {"bot": BOT, "eot": EOT, "pad": PAD}
 _HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # "gpt2", "meta-llama/Llama-3.2-1B"
+# A space or newline right after a non-whitespace character: GPT-2's pre-tokenizer regex never
+# matches across it (no pattern continues from a non-space into whitespace, none looks behind).
+_SAFE_SPLIT = re.compile(r"(?<=\S)[ \n]")
+CHUNK_CHARS = 64 * 1024  # long documents are processed in `chunks` of about this size
 
 
 class SpecialIds(NamedTuple):
@@ -57,7 +62,8 @@ def byte_level() -> Tokenizer:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     """Byte-level BPE as in the source article: specials get ids 0..3, then the 256
-    byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus."""
+    byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus. Long texts are
+    fed in `chunks` (same word counts, so the same tokenizer) to bound the trainer's memory."""
     if vocab_size < len(SPECIALS) + 256:
         raise ConfigError(
             f"tokenizer.vocab_size={vocab_size} must be >= {len(SPECIALS) + 256} (specials + 256 bytes)"
@@ -70,8 +76,35 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((c for text in texts for c in chunks(text, CHUNK_CHARS)), trainer=trainer)
     return tok
+
+
+def splits_safely(tok: Tokenizer) -> bool:
+    """Whether encoding `chunks(text)` one by one gives the ids of encoding `text` whole: true for
+    GPT-2 style pipelines (ours, GPT-2's): no normalizer, a regex ByteLevel pre-tokenizer, BPE, and
+    added tokens that do not strip whitespace around them."""
+    cfg = json.loads(tok.to_str())
+    pre = cfg["pre_tokenizer"] or {}
+    return (
+        cfg["normalizer"] is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and cfg["model"]["type"] == "BPE"
+        and not cfg["model"].get("dropout")
+        and not any(t["lstrip"] or t["rstrip"] or t["single_word"] for t in cfg["added_tokens"])
+    )
+
+
+def chunks(text: str, size: int) -> Iterator[str]:
+    """Consecutive pieces of `text`, each at least `size` characters (but the last), cut only where a
+    GPT-2 style pre-tokenizer always cuts; a text without such a place stays whole."""
+    start = 0
+    while len(text) - start > size and (cut := _SAFE_SPLIT.search(text, start + size)):
+        yield text[start : cut.start()]
+        start = cut.start()
+    yield text[start:]
 
 
 def from_pretrained(name_or_path: str) -> Tokenizer:

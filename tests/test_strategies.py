@@ -18,7 +18,16 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"]
-PARITY = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.precision=32-true", "seed=7"]
+PARITY = ["trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.precision=32-true", "seed=7"]
+# Logging, validation and the end-of-run sample (on in TINY) do not change the weights, so each strategy's parity
+# run also covers one combination of them (precision combinations: test_matrix.py).
+COMBINATIONS = {
+    "ddp": ["logger=many"],
+    "ddp_spawn": [],  # the default CSV logger: validate and fit run in two separate spawns
+    "ddp_sharded": ["logger=none"],
+    "deepspeed": ["logger=[csv,tensorboard]"],
+    "fsdp": ["logger=[]", "validate_before_training=false"],
+}
 
 
 def export(ckpt, out_dir, cwd):
@@ -35,6 +44,11 @@ def assert_same_weights(actual: dict, expected: dict):
 def logged_steps(run_dir) -> list[int]:
     with open(run_dir / "csv" / "metrics.csv") as f:
         return sorted({int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]})
+
+
+def validated_steps(run_dir) -> list[int]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return sorted({int(row["step"]) for row in csv.DictReader(f) if row["val/loss"]})
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +76,13 @@ VARIANTS = {  # id: overrides
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, data_cache):
     run = tmp_path / "run"
-    proc = train(
-        *PARITY, f"strategy={strategy}", "trainer.devices=2", cwd=tmp_path, cache=data_cache, run_dir=run
-    )
-    assert "rank 0/2" in proc.stdout + proc.stderr
+    args = [*PARITY, *COMBINATIONS[strategy], f"strategy={strategy}", "trainer.devices=2"]
+    proc = train(*args, cwd=tmp_path, cache=data_cache, run_dir=run)
+    out = proc.stdout + proc.stderr
+    assert "rank 0/2" in out and "\nsample:\n" in out and "Traceback" not in out
+    assert "final metrics:   {'val/loss'" in out  # validated after the last step (3; the interval is 2)
+    if (run / "csv").exists():
+        assert validated_steps(run)[-1] == 2  # Lightning logs a validation at step index 2 = after step 3
     last = run / "checkpoints" / "last.ckpt"
     weights = export(last, tmp_path / "hf", tmp_path)
     assert_same_weights(weights, reference)

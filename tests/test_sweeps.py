@@ -103,5 +103,5 @@ def test_article_preset_prints_its_config_offline(tmp_path):
 
 
 def test_debug_fdr_runs(tmp_path, data_cache):
-    train("debug=fdr", "scheduler.warmup_steps=0", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run")
+    train("debug=fdr", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run")
     assert not (tmp_path / "run" / "csv").exists()  # fast_dev_run switches the loggers off

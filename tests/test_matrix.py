@@ -1,0 +1,56 @@
+"""Precision x strategy: each trains, validates after its last step, samples text at the end and exports.
+
+The generation at the end of a run is where precision bites (the KV cache must be in the dtype attention
+computes in: bf16 under autocast or FSDP mixed precision, fp32 weights otherwise), and each strategy wraps the
+model its own way, so every strategy gets a precision of its own here. One process each: the code paths
+do not depend on the world size, which test_strategies.py covers (with the loggers and validation options).
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from conftest import run_cli, train
+
+CASES = {
+    "fsdp_mixed_precision_bf16": ["strategy=fsdp", "strategy.mixed_precision=bf16", "logger=many"],
+    "deepspeed_bf16_mixed": ["strategy=deepspeed", "trainer.precision=bf16-mixed", "logger=none"],
+    "ddp_sharded_bf16_true": ["strategy=ddp_sharded", "trainer.precision=bf16-true"],
+    "ddp_bf16_mixed": ["strategy=ddp", "trainer.precision=bf16-mixed", "logger=[]"],
+    "auto_fp32": ["trainer.precision=32-true", "logger=tensorboard"],
+}
+COMMON = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=2",
+]  # TINY keeps validation before and the sample
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trains_validates_samples_and_exports(case, tmp_path, data_cache):
+    run = tmp_path / "run"
+    proc = train(*COMMON, *CASES[case], "trainer.devices=1", cwd=tmp_path, cache=data_cache, run_dir=run)
+    out = proc.stdout + proc.stderr
+    assert "\nsample:\n" in out and "Traceback" not in out
+    assert "final metrics:   {'val/loss'" in out
+    if (run / "csv").exists():
+        with open(run / "csv" / "metrics.csv") as f:
+            assert max(int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]) == 2  # after the 3rd step
+    run_cli(
+        "parallama.export",
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        f"out_dir={tmp_path / 'hf'}",
+        cwd=tmp_path,
+    )
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_fast_dev_run_with_the_defaults(tmp_path, data_cache):
+    """A smoke test as users write it: the defaults (validation before, sample at the end) plus fast_dev_run."""
+    proc = train(
+        "trainer.fast_dev_run=true",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+    )
+    assert "\nsample:\n" in proc.stdout + proc.stderr

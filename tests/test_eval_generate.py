@@ -12,6 +12,7 @@ from parallama.evaluate import main as eval_main
 from parallama.export import main as export_main
 from parallama.generate import generate_text
 from parallama.generate import main as generate_main
+from parallama.plan import main as plan_main
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def test_eval_reproduces_the_runs_val_loss(ckpt):
 
 
 def test_eval_train_split_and_text_output(ckpt, capsys):
-    eval_main([f"ckpt_path={ckpt}", "split=train", "batch_size=1", "max_batches=1", "data.seq_len=16"])
+    eval_main([f"ckpt_path={ckpt}", "split=train", "data.batch_size=1", "max_batches=1", "data.seq_len=16"])
     out = capsys.readouterr().out.strip()
     fields = dict(item.split("=") for item in out.split())
     assert set(fields) == {"loss", "ppl", "tokens"} and fields["tokens"] == "16", out
@@ -66,7 +67,31 @@ def test_sampling_depends_on_the_seed_only(ckpt):
         ),
         (eval_main, ["ckpt_path={ckpt}", "split=test"], "split=test is not valid"),
         (generate_main, ["prompt=x"], "give exactly one of ckpt_path"),
-        (generate_main, ["ckpt_path={ckpt}", "temprature=0"], "unknown or invalid key 'temprature'"),
+        (
+            eval_main,
+            ["ckpt_path={ckpt}", "splt=train"],
+            "unknown or invalid key 'splt' (did you mean 'split'?)",
+        ),
+        (
+            eval_main,
+            ["ckpt_path={ckpt}", "data.batch_siz=1"],
+            "unknown or invalid key 'data.batch_siz' (did you mean 'data.batch_size'?)",
+        ),
+        (
+            generate_main,
+            ["ckpt_path={ckpt}", "temprature=0"],
+            "unknown or invalid key 'temprature' (did you mean 'temperature'?)",
+        ),
+        (
+            export_main,
+            ["ckpt_path={ckpt}", "out_dri=x"],
+            "unknown or invalid key 'out_dri' (did you mean 'out_dir'?)",
+        ),
+        (
+            plan_main,
+            ["trainer.devics=8"],
+            "unknown config key 'trainer.devics' (did you mean 'trainer.devices'?)",
+        ),
         (generate_main, ["ckpt_path={ckpt}", "temperature=-1"], "temperature=-1"),
     ],
 )
@@ -76,3 +101,21 @@ def test_cli_errors(ckpt, main, argv, needle, capsys):
     assert excinfo.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("main", "needles"),
+    [
+        (export_main, ["parallama-export ckpt_path=<checkpoint> out_dir=<folder>", "out_dir=null"]),
+        (eval_main, ["parallama-eval ckpt_path=<checkpoint>", "ckpt_path: ???", "max_batches: null"]),
+        (generate_main, ["parallama-generate (ckpt_path=<checkpoint>", "temperature=0.8", "prompt='The '"]),
+        (plan_main, ["parallama-plan [gpu_memory_gb=80]", "<parallama-train overrides>"]),
+    ],
+)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage(main, needles, flag, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main([flag])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in needles), out

@@ -85,6 +85,18 @@ def test_export_loads_in_transformers(tmp_path, tie):
     assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("[BOT]", "[EOT]", "[PAD]")
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_files_follow_the_umask(tmp_path, umask):
+    ours = Llama(LlamaConfig(**SHAPE))
+    old = os.umask(umask)
+    try:
+        save_hf_folder(tmp_path, ours.state_dict(), ours.config, byte_level().to_str())
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert len(modes) == 6 and set(modes.values()) == {0o666 & ~umask}, modes
+
+
 @pytest.mark.parametrize(("tie", "shard"), [(False, None), (True, None), (False, "60KB")])
 def test_load_hf_weights_matches_transformers(tmp_path, tie, shard):
     theirs = hf_model(tie)

@@ -3,7 +3,7 @@ Llama folder (config.json, model.safetensors, tokenizer files) for transformers,
 
 from __future__ import annotations
 
-from parallama.checkpoint import load_checkpoint, parse_cli, run_cli
+from parallama.checkpoint import load_checkpoint, parse_cli, run_cli, usage
 from parallama.hf import save_hf_folder
 
 DEFAULTS = {"ckpt_path": None, "out_dir": None}
@@ -18,7 +18,7 @@ def export(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(export, argv)
+    run_cli(export, argv, usage(__doc__, DEFAULTS))
 
 
 if __name__ == "__main__":

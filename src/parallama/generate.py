@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
-from parallama.checkpoint import load_checkpoint, load_state_into, parse_cli, run_cli
+from parallama.checkpoint import load_checkpoint, load_state_into, parse_cli, run_cli, usage
 from parallama.data.tokenizer import from_pretrained, special_ids
 from parallama.errors import ConfigError
 from parallama.hf import load_hf_config, load_hf_weights
@@ -67,7 +67,7 @@ def generate_text(argv: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(generate_text, argv)
+    run_cli(generate_text, argv, usage(__doc__, DEFAULTS))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_hf_folder(
     out_dir: str | os.PathLike, state_dict: dict[str, Tensor], config: LlamaConfig, tokenizer_json: str | None
 ) -> None:
@@ -39,6 +45,7 @@ def save_hf_folder(
         if not (tied and k == "lm_head.weight")
     }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o666 & ~_umask())  # safetensors leaves its temp file's 0600
     ids = {}
     if tokenizer_json is not None:
         tok = Tokenizer.from_str(tokenizer_json)

@@ -239,17 +239,19 @@ def _key(override: str) -> str:
 
 
 def compose(overrides: list[str]):
-    """The training config for these overrides; Hydra's complaints become one-line ConfigErrors."""
+    """The training config for these overrides; Hydra's complaints become parallama-train's one-line errors."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    from parallama.checks import _one_line
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        try:
             return compose("train", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as err:
-        message = str(err).split("Config search path")[0]  # drop Hydra's search-path dump
-        raise ConfigError(" ".join(message.split())) from None
+        except (HydraException, OmegaConfBaseException) as err:
+            message = f"{err}\n{err.__cause__ or ''}"
+            raise ConfigError(_one_line(message, lambda: compose("train"))) from None
 
 
 def show(result: dict) -> None:
@@ -285,11 +287,23 @@ def show(result: dict) -> None:
     console.print(rec["command"], markup=False, highlight=False, soft_wrap=True)
 
 
+USAGE = """parallama-plan [gpu_memory_gb=80] [json=false] <parallama-train overrides>
+  e.g. parallama-plan model=llama3_8b trainer.devices=8 gpu_memory_gb=80 data.seq_len=8192
+
+Per-GPU memory of every strategy for the training config these overrides compose (any parallama-train
+override works), and the first option of the guide in docs/strategies.md that fits in 90% of
+gpu_memory_gb (GiB), with the parallama-train line to run. json=true prints the numbers as JSON."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """`parallama-plan [gpu_memory_gb=80] [json=true] <parallama-train overrides>`."""
     gpu_memory_gb, as_json, overrides = 80.0, False, []
+    args = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(args):
+        print(USAGE)
+        sys.exit(0)
     try:
-        for arg in sys.argv[1:] if argv is None else argv:
+        for arg in args:
             key, _, value = arg.lstrip("+").partition("=")
             if key == "gpu_memory_gb":
                 try:

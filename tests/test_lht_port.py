@@ -2,7 +2,10 @@
 
 Source: github.com/ashleve/lightning-hydra-template (MIT), tests/conftest.py, test_configs.py, test_train.py,
 test_sweeps.py and test_eval.py. What had to change, and why:
-- `src.train.train` -> `parallama.train.train`; configs come from parallama's conf/ (`CONF_DIR`).
+- `src.train.train` -> `parallama.train.train`, `src.eval.evaluate` -> `parallama.evaluate.evaluate` (it
+  returns the metrics only: it builds no Trainer); configs come from parallama's conf/ (`CONF_DIR`).
+- eval.yaml has no `model`/`trainer`: the model and its shape come from the checkpoint, and evaluation is a
+  plain loop. Train's `test/acc` is the final `val/loss`, eval's is `loss` (on the same batches).
 - Metrics: LHT's MNIST model logs `*/acc`; a language model logs `*/loss`, which must fall where acc rises.
 - Checkpoint names: LHT's `epoch_000.ckpt` is parallama's `step0000001.ckpt` (the best by val/loss).
 - `limit_val_batches=0.1` -> 0.5, and with 2 ranks `limit_train_batches=0.01` -> 0.05: the embedded corpus
@@ -31,6 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from parallama import CONF_DIR
+from parallama.evaluate import evaluate
 from parallama.train import train
 
 RunIfGPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -56,6 +60,32 @@ def cfg_train_global(data_cache) -> DictConfig:
             cfg.logger = None
 
     return cfg
+
+
+@pytest.fixture(scope="module")
+def cfg_eval_global(data_cache) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="eval.yaml", return_hydra_config=True, overrides=["ckpt_path=."])
+
+        with open_dict(cfg):
+            cfg.paths.root_dir = str(Path.cwd())
+            cfg.paths.cache_dir = str(data_cache)
+            cfg.data.num_workers = 0
+
+    return cfg
+
+
+@pytest.fixture(scope="function")
+def cfg_eval(cfg_eval_global: DictConfig, tmp_path: Path) -> DictConfig:
+    cfg = cfg_eval_global.copy()
+
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        cfg.paths.log_dir = str(tmp_path)
+
+    yield cfg
+
+    GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="function")
@@ -85,6 +115,40 @@ def test_train_config(cfg_train: DictConfig) -> None:
     hydra.utils.instantiate(cfg_train.data)
     hydra.utils.instantiate(cfg_train.model)
     hydra.utils.instantiate(cfg_train.trainer)
+
+
+def test_eval_config(cfg_eval: DictConfig) -> None:
+    assert cfg_eval
+    assert cfg_eval.data
+
+    HydraConfig().set_config(cfg_eval)
+
+    hydra.utils.instantiate(cfg_eval.data)
+
+
+# --- test_eval.py ------------------------------------------------------------------------------------------
+
+
+def test_train_eval(tmp_path: Path, cfg_train: DictConfig, cfg_eval: DictConfig) -> None:
+    assert str(tmp_path) == cfg_train.paths.output_dir == cfg_eval.paths.output_dir
+
+    with open_dict(cfg_train):
+        cfg_train.trainer.max_epochs = 1
+
+    HydraConfig().set_config(cfg_train)
+    train_metric_dict, _ = train(cfg_train)
+
+    assert "last.ckpt" in os.listdir(tmp_path / "checkpoints")
+
+    with open_dict(cfg_eval):
+        cfg_eval.ckpt_path = str(tmp_path / "checkpoints" / "last.ckpt")
+        cfg_eval.max_batches = 1  # what limit_val_batches=0.5 of 3 batches validated in training
+
+    HydraConfig().set_config(cfg_eval)
+    test_metric_dict = evaluate(cfg_eval)
+
+    assert test_metric_dict["loss"] > 0.0
+    assert abs(train_metric_dict["val/loss"].item() - test_metric_dict["loss"]) < 0.001
 
 
 # --- test_train.py -----------------------------------------------------------------------------------------

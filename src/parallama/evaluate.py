@@ -75,7 +75,8 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return data
 
 
-def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
+def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    """`overrides`: the command line's, so that the `data.*` ones apply on top of the run's own data."""
     if cfg.split not in ("val", "train"):
         raise ConfigError(f"split={cfg.split} is not valid; use val or train")
     data = data_config(cfg, overrides)

@@ -35,7 +35,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from parallama.checkpoint import read_client_state
+    from parallama.checkpoint import check_resumable, read_client_state, verify_checkpoint
+    from parallama.checkpoint_io import AtomicCheckpointIO, remove_stale_temps
     from parallama.loggers import continue_wandb_run
     from parallama.module import LlamaLM
 
@@ -67,12 +68,18 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint_io.py);
+    # other plugins (launcher=slurm's SLURMEnvironment) are kept.
+    plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=hydra.utils.instantiate(cfg.strategy),
         callbacks=callbacks,
         logger=loggers or False,
+        plugins=plugins,
     )
+    if trainer.is_global_zero:
+        remove_stale_temps(Path(cfg.paths.output_dir) / "checkpoints")  # left by a save that was killed
     output_dir = cfg.paths.output_dir
     for logger in trainer.loggers:
         logger.log_hyperparams(
@@ -88,8 +95,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         f"lr {module.hparams.optimizer['lr']:g}"
     )
     if ckpt_path is not None:
-        from parallama.checkpoint import check_resumable
-
+        verify_checkpoint(
+            ckpt_path
+        )  # Lightning and DeepSpeed unpickle it in full: nothing in it may run code
         check_resumable(ckpt_path, model_cfg)
         check_resume_position(ckpt_path, read_client_state(ckpt_path), datamodule, trainer)
     if cfg.validate_before_training and ckpt_path is None:

@@ -28,7 +28,6 @@ TINY = [
     "model.intermediate_size=128",
     "model.num_hidden_layers=2",
     "sample.max_new_tokens=16",
-    "callbacks.progress_bar=null",
 ]
 
 

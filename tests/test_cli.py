@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 from conftest import run_cli, train
+
+from parallama.launch import STALE_BUILD_LOCK_S, use_private_torch_extensions
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -73,3 +80,56 @@ def test_missing_checkpoint_is_reported(tmp_path, data_cache):
 def test_help_lists_groups(tmp_path):
     proc = run_cli("parallama.train", "--help", cwd=tmp_path)
     assert "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp" in proc.stdout
+
+
+def test_log_file_progress_and_a_full_width_config(tmp_path, data_cache):
+    """stdout is a pipe here, as in a log file: progress comes as lines, and no config line is cut at 80."""
+    long_dir = tmp_path / ("a-directory-name-long-enough-to-pass-eighty-columns-" * 2) / "run"
+    proc = train(
+        "callbacks.progress_bar.line_every_n_steps=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=long_dir,
+    )
+    out = proc.stdout + proc.stderr
+    assert "step 2/4 (50%)  train/loss" in out and "step 4/4 (100%)" in out
+    assert f"output_dir: {long_dir}" in out
+
+
+def test_help_and_typos_answer_before_torch_loads(tmp_path):
+    code = "import sys, parallama.train; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_stale_extension_build_lock_is_removed(tmp_path, monkeypatch, caplog):
+    """A DeepSpeed op build killed midway leaves `<op>/lock`; every later run would wait on it forever."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    use_private_torch_extensions()
+    assert not stale.exists() and fresh.exists()  # a build under way keeps its lock
+    assert f"removed {stale}" in caplog.text
+
+
+def test_each_python_environment_gets_its_own_extension_dir(monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    use_private_torch_extensions()
+    assert hashlib.sha256(sys.prefix.encode()).hexdigest()[:10] in os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def test_last_checkpoint_every_n_steps_and_every_t(tmp_path, data_cache):
+    """Lightning's ModelCheckpoint refuses both; `last_checkpoint` takes both (the config says "and/or")."""
+    run = tmp_path / "run"
+    train(
+        "callbacks.last_checkpoint.every_n_train_steps=3",
+        "callbacks.last_checkpoint.train_time_interval={_target_:datetime.timedelta,seconds:1}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=run,
+    )
+    assert (run / "checkpoints" / "last.ckpt").is_file()

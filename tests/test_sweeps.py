@@ -102,6 +102,20 @@ def test_article_preset_prints_its_config_offline(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def test_debug_fdr_runs(tmp_path, data_cache):
-    train("debug=fdr", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run")
-    assert not (tmp_path / "run" / "csv").exists()  # fast_dev_run switches the loggers off
+@pytest.mark.parametrize("preset", ["fdr", "limit", "overfit", "profiler"])
+def test_debug_presets_run_with_the_defaults(tmp_path, data_cache, preset):
+    run = tmp_path / "run"
+    proc = train(f"debug={preset}", cwd=tmp_path, cache=data_cache, run_dir=run)
+    assert "\nsample:\n" in proc.stdout + proc.stderr
+    if preset == "fdr":
+        assert not (run / "csv").exists()  # fast_dev_run switches the loggers off
+    if preset == "profiler":
+        assert list((run / "profiler").glob("*trace*"))
+
+
+def test_optuna_trials_shorter_than_a_validation_interval_are_scored(tmp_path, data_cache):
+    """Each trial validates after its last step, so a sweep of short trials gets a (final) score for each."""
+    args = ["hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "trainer.val_check_interval=100"]
+    train(*args, cwd=tmp_path, cache=data_cache)
+    results = yaml.safe_load((job_dirs(tmp_path)[0].parent / "optimization_results.yaml").read_text())
+    assert results["best_value"] > 0

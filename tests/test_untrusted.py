@@ -218,3 +218,16 @@ def test_eval_instantiates_nothing_foreign_from_the_run_config(tmp_path, key, va
     proc = run_cli("parallama.evaluate", f"ckpt_path={ckpt}", cwd=tmp_path, check=False)
     assert_one_error(proc, str(run / "resolved_config.yaml"), needle)
     assert not marker.exists()
+
+
+def test_training_refuses_to_resume_from_a_payload(tmp_path, data_cache):
+    """`parallama-train ckpt_path=...`: Lightning would unpickle the file in full; it is checked first."""
+    from conftest import train
+
+    marker = tmp_path / "pwned"
+    ckpt = single_file(tmp_path, Payload(marker))
+    proc = train(f"ckpt_path={ckpt}", cwd=tmp_path, cache=data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "not allowed in a checkpoint" in out and "Traceback" not in out
+    assert not marker.exists()

@@ -143,7 +143,7 @@ def _did_you_mean(key: str, defaults: DictConfig) -> str:
     node = OmegaConf.select(defaults, parent) if parent else defaults
     if not isinstance(node, DictConfig):
         return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys() if k != leaf], n=1)
     return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
 
 

@@ -11,10 +11,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from parallama import CONF_DIR
+from parallama import CONF_DIR, faults
 from parallama.checks import check_config, preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path
@@ -34,6 +33,8 @@ def train(cfg: DictConfig) -> float | None:
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     check_config(cfg)
+    faults.check_multi_node(cfg.trainer.num_nodes)
+    faults.check_fresh_run(cfg)
     print_config(cfg)
 
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -78,6 +79,7 @@ def train(cfg: DictConfig) -> float | None:
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
         f"lr {module.hparams.optimizer['lr']:g}"
     )
+    faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:
         from parallama.checkpoint import check_resumable
 
@@ -115,8 +117,7 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
 
 
 def last_checkpoint_note(cfg: DictConfig) -> str:
-    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+    return faults.last_checkpoint_note(cfg.paths.output_dir)
 
 
 @rank_zero_only
@@ -161,10 +162,17 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except TrainingDiverged as err:
         log.error(f"error: {err} ({last_checkpoint_note(cfg)})")
         sys.exit(3)
-    except SIGTERMException:
-        log.warning(f"stopped by SIGTERM; {last_checkpoint_note(cfg)}; resume with ckpt_path=last")
+    except faults.Preempted as stop:
+        log.warning(f"{stop}; resume with ckpt_path=last")
         sys.exit(0)
+    except RuntimeError as err:  # gloo's error for a peer rank that is gone: one line naming it
+        line = faults.lost_rank(err)
+        if line is None:
+            raise
+        log.error(line)
+        sys.exit(faults.EXIT_RANK_DIED)
     finally:
+        faults.stop_watching()
         wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
         if wandb is not None and wandb.run is not None:
             wandb.finish()

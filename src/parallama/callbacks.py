@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, ThroughputMonitor
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+
+from parallama.faults import Preempted
 
 
 def _samples(batch: dict) -> int:
@@ -34,19 +40,71 @@ class TokenThroughputMonitor(ThroughputMonitor):
         )
 
 
-class PreemptionCheckpoint(OnExceptionCheckpoint):
-    """Save `last.ckpt` when the job is told to stop (SIGTERM from a scheduler, Ctrl-C), so `ckpt_path=last`
-    resumes exactly there. Failures (a NaN loss, a crash) do not save: they must not overwrite good weights."""
+class PreemptionCheckpoint(Callback):
+    """SIGTERM (a scheduler), SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C): finish the
+    optimizer step, save `last.ckpt` on every rank and stop with status 0; `ckpt_path=last` resumes there.
+
+    The handler only records the signal. At each optimizer-step boundary the ranks agree on it with one
+    all_reduce (MAX), so a signal to any one rank stops all of them at the same step, and every rank takes
+    part in saving (DeepSpeed and FSDP checkpoints are collective). Then every rank raises `Preempted`: no
+    validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
+    handler is replaced: it broadcasts from inside the handler, which deadlocks ranks that are in another
+    collective. A SLURM requeue signal (`SLURMEnvironment(auto_requeue=True)`) stays Lightning's. Failures
+    (a NaN loss, a crash) do not save: they must not overwrite good weights.
+    """
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
-        super().__init__(dirpath=dirpath, filename=filename)
+        self.path = str(Path(dirpath) / f"{filename}.ckpt")
+        self.received = 0  # the signal number, once one came
+        self._previous: dict[int, object] = {}
+        self._checked_step: int | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """SIGTERM: Lightning registers (and later restores) its notifier; make ours the one it registers."""
+        trainer._signal_connector._sigterm_notifier_fn = self._record  # read at registration (Lightning 2.6)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._install(trainer)
+
+    def _install(self, trainer) -> None:
+        """SIGUSR1 and SIGINT, after Lightning's registration (its teardown would otherwise restore ours)."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        env = getattr(trainer.strategy, "cluster_environment", None)  # none for a single device
+        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
+        for signum in (signal.SIGUSR1, signal.SIGINT):
+            if signum != requeue:
+                self._previous[signum] = signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._checked_step:  # accumulating: no optimizer step since the last check
+            return
+        self._checked_step = trainer.global_step
+        flag = torch.tensor([self.received], device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            flag = trainer.strategy.reduce(flag, reduce_op="max")
+        signum = int(flag.item())
+        if signum:
+            trainer.save_checkpoint(self.path)
+            name = signal.Signals(signum).name
+            raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
-            super().on_exception(trainer, pl_module, exception)
+        self._restore()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        """Keep the file: unlike Lightning's OnExceptionCheckpoint it is last.ckpt, the run's resume point."""
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
 
 class LastCheckpoint(ModelCheckpoint):

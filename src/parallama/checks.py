@@ -338,6 +338,10 @@ def _check_devices(trainer: DictConfig) -> None:
     uses_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
     if uses_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
+    if trainer.num_nodes > 1:
+        from parallama.faults import check_multi_node
+
+        check_multi_node(trainer.num_nodes)
 
 
 def _check_strategy(cfg: DictConfig) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from parallama import CONF_DIR
+from parallama import CONF_DIR, faults
 from parallama.checks import check_config, preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path, use_private_torch_extensions
@@ -40,6 +40,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.loggers import continue_wandb_run
     from parallama.module import LlamaLM
 
+    faults.check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -94,6 +95,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
         f"lr {module.hparams.optimizer['lr']:g}"
     )
+    faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:
         verify_checkpoint(
             ckpt_path
@@ -149,8 +151,7 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
 
 
 def last_checkpoint_note(cfg: DictConfig) -> str:
-    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+    return faults.last_checkpoint_note(cfg.paths.output_dir)
 
 
 def job_config(cfg: DictConfig) -> dict:
@@ -206,7 +207,6 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     """Returns the final `optimized_metric` (default val/loss): the value sweeps (Optuna) minimize."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
         metrics, _ = train(cfg)
@@ -230,10 +230,17 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except TrainingDiverged as err:
         log.error(f"error: {err} ({last_checkpoint_note(cfg)})")
         sys.exit(3)
-    except SIGTERMException:
-        log.warning(f"stopped by SIGTERM; {last_checkpoint_note(cfg)}; resume with ckpt_path=last")
+    except faults.Preempted as stop:
+        log.warning(f"{stop}; resume with ckpt_path=last")
         sys.exit(0)
+    except RuntimeError as err:  # gloo's error for a peer rank that is gone: one line naming it
+        line = faults.lost_rank(err)
+        if line is None:
+            raise
+        log.error(line)
+        sys.exit(faults.EXIT_RANK_DIED)
     finally:
+        faults.stop_watching()
         wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
         if wandb is not None and wandb.run is not None:
             wandb.finish()

@@ -86,10 +86,10 @@ class PreemptionCheckpoint(Callback):
         if trainer.global_step == self._checked_step:  # accumulating: no optimizer step since the last check
             return
         self._checked_step = trainer.global_step
-        flag = torch.tensor([self.received], device=trainer.strategy.root_device)
-        if trainer.world_size > 1:
-            flag = trainer.strategy.reduce(flag, reduce_op="max")
-        signum = int(flag.item())
+        signum = self.received
+        if trainer.world_size > 1:  # one process needs no agreement (and no wait for the GPU)
+            flag = torch.tensor([signum], device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
         if signum:
             trainer.save_checkpoint(self.path)
             name = signal.Signals(signum).name

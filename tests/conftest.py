@@ -31,14 +31,14 @@ TINY = [
 ]
 
 
+# Set by launchers (an in-process ddp_spawn run leaves them in os.environ); a test's runs start without them.
+LAUNCH_ENV = ("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
 def run_cli(
-    module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True
+    module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
-    }
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}, **(env or {})}
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
     )

@@ -191,7 +191,10 @@ def test_train_epoch_double_val_loop(cfg_train: DictConfig) -> None:
     train(cfg_train)
 
 
-def test_train_ddp_sim(cfg_train: DictConfig, tmp_path: Path, data_cache) -> None:
+def test_train_ddp_sim(cfg_train: DictConfig, tmp_path: Path, data_cache, monkeypatch) -> None:
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning sets them in this process: undone after the test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train.yaml", return_hydra_config=True, overrides=["trainer=ddp_sim"])
     with open_dict(cfg):

@@ -18,7 +18,6 @@ CASES = {
     "deepspeed_bf16_mixed": ["strategy=deepspeed", "trainer.precision=bf16-mixed", "logger=none"],
     "ddp_sharded_bf16_true": ["strategy=ddp_sharded", "trainer.precision=bf16-true"],
     "ddp_bf16_mixed": ["strategy=ddp", "trainer.precision=bf16-mixed", "logger=[]"],
-    "auto_fp32": ["trainer.precision=32-true", "logger=tensorboard"],
 }
 COMMON = [
     "trainer.max_steps=3",

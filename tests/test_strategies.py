@@ -92,6 +92,8 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert hf.config.num_hidden_layers == 2
 
+    if strategy == "ddp_spawn":  # writes the same single file as ddp, which resumes below
+        return
     resumed = tmp_path / "resumed"
     train(
         *PARITY,

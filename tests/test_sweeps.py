@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import re
+import socket
 
 import pytest
 import yaml
@@ -13,6 +14,12 @@ from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixtur
 
 from parallama.checkpoint import read_client_state
 from parallama.train import CONF_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def job_dirs(cwd) -> list:
@@ -34,11 +41,16 @@ def peak_logged_lr(job) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "deepspeed"])
 def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strategy):
+    """The three ways ranks start and end a job: re-run children (ddp; ddp_sharded and fsdp start theirs the
+    same way), spawned children (ddp_spawn), and DeepSpeed's own cached process groups released between jobs.
+    Under ddp MASTER_PORT is fixed (as docs/strategies.md suggests for two runs on one node): the second job
+    must not rendezvous with the first job's finished ranks."""
     lrs = [1e-3, 2e-3]
     args = [f"strategy={strategy}", "trainer.devices=2", "optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]"]
-    run_cli("parallama.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path)
+    env = {"MASTER_PORT": str(free_port())} if strategy == "ddp" else {}
+    run_cli("parallama.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path, env=env)
     jobs = job_dirs(tmp_path)
     assert [job.name for job in jobs] == ["0", "1"]
     for job, lr in zip(jobs, lrs):

@@ -146,9 +146,12 @@ def watch_ranks(trainer, output_dir: str) -> None:
 
 
 def stop_watching() -> None:
-    """The job is over (a sweep's next job has its own watch); a watch that saw a death keeps its deadline."""
+    """The job is over (a sweep's next job has its own watch); a watch that saw a death keeps its deadline.
+    The watch is let go, and with it the finished Trainer (and its process group's store)."""
+    global _watch
     if _watch is not None:
         _watch.stopped.set()
+        _watch = None
 
 
 def lost_rank(err: BaseException) -> str | None:

@@ -11,6 +11,7 @@ its own ranks instead of joining the finished job's.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -60,6 +61,11 @@ class JobIsolation(Callback):
 
     def on_job_start(self, config, **kwargs) -> None:
         self.environ = {key: os.environ.get(key) for key in JOB_ENV}
+        if config.hydra.job.get("num", 0) and "MASTER_PORT" in os.environ and not _launched_externally():
+            # A port the user fixed (MASTER_PORT=...) would be every job's: the finished job's store can still
+            # listen there (a reference cycle keeps it alive) and hand the next job its ranks' stale addresses.
+            # Ranks this process starts need only agree with it, so each later job gets a free port.
+            os.environ["MASTER_PORT"] = str(_free_port())
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         import torch.distributed as dist
@@ -75,6 +81,17 @@ class JobIsolation(Callback):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _launched_externally() -> bool:
+    """torchrun, SLURM or another launcher started this process: its port is shared with other nodes."""
+    return any(key in os.environ for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LSB_JOBID", "NODE_RANK"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:

@@ -1,35 +1,34 @@
-"""Data pipeline: document sources -> tokenizer -> cached token memmaps -> batches."""
+"""Data pipeline: document sources -> tokenizer -> cached token memmaps -> batches.
 
-from parallama.data.datamodule import TextDataModule
-from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
-from parallama.data.sources import embedded, files, hub
-from parallama.data.tokenizer import (
-    BOT,
-    EOT,
-    PAD,
-    UNK,
-    SpecialIds,
-    byte_level,
-    from_pretrained,
-    special_ids,
-    train_bpe,
-)
+Names are imported on first use: the tools that only need a tokenizer (parallama-export, -generate) then do
+not load Lightning (datamodule) or `datasets` (sources), which take seconds to import.
+"""
 
-__all__ = [
-    "BOT",
-    "EOT",
-    "PAD",
-    "UNK",
-    "PackedDataset",
-    "PaddedDataset",
-    "ResumableDistributedSampler",
-    "SpecialIds",
-    "TextDataModule",
-    "byte_level",
-    "embedded",
-    "files",
-    "from_pretrained",
-    "hub",
-    "special_ids",
-    "train_bpe",
-]
+from importlib import import_module
+
+_WHERE = {
+    "TextDataModule": "datamodule",
+    **dict.fromkeys(("PackedDataset", "PaddedDataset", "ResumableDistributedSampler"), "datasets"),
+    **dict.fromkeys(("embedded", "files", "hub"), "sources"),
+    **dict.fromkeys(
+        (
+            "BOT",
+            "EOT",
+            "PAD",
+            "UNK",
+            "SpecialIds",
+            "byte_level",
+            "from_pretrained",
+            "special_ids",
+            "train_bpe",
+        ),
+        "tokenizer",
+    ),
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -49,6 +49,7 @@ def test_data(capsys, tmp_path, cache):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 1 and 2 ranks, twice: ~40 s; `make bench` runs the real thing
 def test_ddp_scaling(capsys, tmp_path, cache):
     tiny = ["--warmup", "1", "--steps", "2", "--repeats", "1", "--batch", "2", "--seq-len", "32"]
     text, result = run(capsys, tmp_path, cache, "ddp-scaling", *tiny)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -50,7 +51,10 @@ def test_train_writes_checkpoints_logs_config_and_a_sample(tmp_path, data_cache)
             ["trainer.max_stepz=3"],
             "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
         ),
-        (["data.source.corpus=poetry"], "error: data.source.corpus='poetry' is unknown; valid: prose, code"),
+        (
+            ["data.source.corpus=poetry"],
+            "error: data.source.corpus='poetry' is not valid; use one of 'prose', 'code'",
+        ),
         (
             ["data/source=files", "data.source.paths=/nonexistent/*.txt"],
             "data.source.paths='/nonexistent/*.txt' matches no file",
@@ -105,6 +109,10 @@ def test_help_and_typos_answer_before_torch_loads(tmp_path):
 def test_a_stale_extension_build_lock_is_removed(tmp_path, monkeypatch, caplog):
     """A DeepSpeed op build killed midway leaves `<op>/lock`; every later run would wait on it forever."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    logger = logging.getLogger("parallama")  # an in-process Hydra app earlier in the session may have
+    monkeypatch.setattr(logger, "disabled", False)  # disabled it (logging.config, disable_existing_loggers)
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger="parallama")
     stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
     for lock in (stale, fresh):
         lock.parent.mkdir()

@@ -40,7 +40,7 @@ def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data
     """The end-of-run checkpoint is taken at the last step, so a higher max_steps continues the same epoch."""
     train(*CONSTANT_LR, "trainer.max_steps=12", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "straight")
     extended = tmp_path / "extended"
-    train(
+    proc = train(
         *CONSTANT_LR,
         "trainer.max_steps=12",
         f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
@@ -48,6 +48,7 @@ def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data
         cache=data_cache,
         run_dir=extended,
     )
+    assert "not resumable" not in proc.stdout + proc.stderr  # Lightning's warning: the data module resumes
     expected = weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     actual = weights(extended / "checkpoints" / "last.ckpt")
     assert expected.keys() == actual.keys()

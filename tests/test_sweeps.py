@@ -49,6 +49,9 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strateg
     must not rendezvous with the first job's finished ranks."""
     lrs = [1e-3, 2e-3]
     args = [f"strategy={strategy}", "trainer.devices=2", "optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]"]
+    args += [
+        "validate_before_training=false"
+    ]  # one spawn per ddp_spawn job (validate + fit: test_strategies)
     env = {"MASTER_PORT": str(free_port())} if strategy == "ddp" else {}
     run_cli("parallama.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path, env=env)
     jobs = job_dirs(tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
 import pytest
 import torch
@@ -84,9 +85,7 @@ def test_a_new_lr_applies_on_resume(finished, tmp_path, data_cache):
     "override, message",
     [
         ("data.seq_len=32", "was trained with data.seq_len=64 but this run has 32"),
-        ("data.batch_size=2", "was trained with data.batch_size=4 but this run has 2"),
         ("seed=3", "was trained with seed=42 but this run has 3"),
-        ("data.packing=false", "was trained with data.packing=True but this run has False"),
         ("trainer.max_steps=6", "is at step 6 and trainer.max_steps=6: nothing is left to train"),
     ],
 )
@@ -123,3 +122,27 @@ def test_ckpt_path_last_takes_the_newest_run_and_skips_sweeps(tmp_path):
     assert resolve_ckpt_path("last", str(own), str(runs)) == str(paths["swapping"])
     with pytest.raises(ConfigError, match="no run under"):
         resolve_ckpt_path("last", str(own), str(tmp_path / "other" / "runs"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"batch_size": 2}, "with data.batch_size=4 but this run has 2"),
+        ({"packing": False}, "with data.packing=True but this run has False"),
+        ({"val_fraction": 0.1}, "with data.val_fraction=0.05 but this run has 0.1"),
+        ({}, "with world size (trainer.devices x trainer.num_nodes)=2 but this run has 1"),
+    ],
+)
+def test_every_data_order_key_is_checked(tmp_path, change, message):
+    """The same check as above, in-process, for the keys the command-line cases leave out."""
+    from functools import partial
+
+    from parallama.data import TextDataModule, byte_level, embedded
+
+    def datamodule(**kwargs):
+        args = dict(seq_len=64, batch_size=4, cache_dir=str(tmp_path))
+        return TextDataModule(partial(embedded, max_documents=12), byte_level, **{**args, **kwargs})
+
+    saved = datamodule()._order(world_size=2 if not change else 1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        datamodule(**change).check_resume(saved, world_size=1, source="ckpt")

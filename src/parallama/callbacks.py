@@ -13,6 +13,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 
 from parallama.faults import Preempted
+from parallama.module import ends_the_run
 
 
 def _samples(batch: dict) -> int:
@@ -140,11 +141,7 @@ class LastCheckpoint(ModelCheckpoint):
         if self.time_interval is not None:  # rank 0's clock decides, so that every rank saves
             due = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
             due = trainer.strategy.broadcast(due)
-        loop = trainer.fit_loop.epoch_loop
-        last_epoch = (
-            0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1 and loop.batch_progress.is_last_batch
-        )
-        if due or 0 < trainer.max_steps <= trainer.global_step or last_epoch:
+        if due or ends_the_run(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:

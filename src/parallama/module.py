@@ -45,6 +45,14 @@ def resolve_warmup(warmup_steps: int | str, total_steps: int) -> int:
     return warmup_steps
 
 
+def ends_the_run(trainer) -> bool:
+    """Whether the batch just trained is the run's last: max_steps reached, or the last batch of the last epoch."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1
+    return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
 @contextmanager
 def _gathered_if_zero3(model: torch.nn.Module):
     """Under DeepSpeed ZeRO-3 Lightning builds the model inside `deepspeed.zero.Init`, which partitions each
@@ -132,11 +140,8 @@ class LlamaLM(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         """Asking the loop to stop at the run's last batch makes Lightning validate once more, so the final
         val/loss (what sweeps optimize and the report prints) is the trained model's, not a stale one."""
-        trainer = self.trainer
-        last_step = 0 < trainer.max_steps <= trainer.global_step
-        last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1
-        if last_step or (last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
-            trainer.should_stop = True
+        if ends_the_run(self.trainer):
+            self.trainer.should_stop = True
 
     def on_train_start(self) -> None:
         self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state

@@ -73,7 +73,7 @@ def measure(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from parallama.model import Llama, LlamaConfig
-    from parallama.parallelize import parallelize
+    from parallama.parallel.apply import apply_ac, apply_compile
 
     v = {**BASELINE, **variant}
     batch *= v["batch"]
@@ -82,7 +82,10 @@ def measure(
         model = Llama(LlamaConfig(**cfg))
     if v["precision"] == "bf16-true":
         model.to(torch.bfloat16)
-    model = parallelize(model, compile=v["compile"], activation_checkpointing=v["ckpt"])
+    if v["ckpt"]:
+        apply_ac(model)
+    if v["compile"]:
+        apply_compile(model)
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-4, weight_decay=0.1, fused=v["fused"], foreach=not v["fused"]
     )

@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_cli
 from parallama.model import Llama, LlamaConfig
-from parallama.parallelize import _checkpoint_forward
-from parallama.plan import STRATEGIES, command, compose, estimate, main, plan
+from parallama.parallel.apply import apply_ac
+from parallama.plan import command, compose, estimate, main, plan, profiles
+
+STRATEGIES = profiles()
 
 SMALL = LlamaConfig(
     vocab_size=128,
@@ -91,7 +94,9 @@ def test_activations_scale_with_tokens_and_shrink_with_checkpointing():
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_planned_command_composes(name):
-    line = command(name, True, "bf16-mixed", 8, ["model=llama3_8b", "strategy=ddp", "trainer.devices=8"])
+    line = command(
+        STRATEGIES[name], True, "bf16-mixed", 8, ["model=llama3_8b", "strategy=ddp", "trainer.devices=8"]
+    )
     cfg = compose(line.split()[1:])
     assert cfg.activation_checkpointing and cfg.strategy._target_.startswith(("parallama.", "lightning."))
 
@@ -218,7 +223,25 @@ def test_saved_activation_bytes_match_the_estimate_in_fp32():
     # CPU runs RMSNorm unfused, which also saves the normalized input: +2h per layer and token (~9% here).
     assert 1.0 <= measured / expected < 1.25, measured / expected
     model = Llama(SMALL)
-    for block in model.layers:
-        _checkpoint_forward(block)  # what parallelize(activation_checkpointing=True) does, without Lightning
+    apply_ac(model)  # what activation_checkpointing=true applies, without Lightning
     checkpointed = _saved_bytes(model, ids)
     assert checkpointed < plans(seq_len=128, checkpointing=True)["ddp"].activations < expected / 2
+
+
+def test_a_new_strategy_class_appears_in_the_plan_with_no_other_file_touched(tmp_path):
+    """Adding a strategy = one class + one config file: parallama-plan reads the class's own declaration."""
+    (tmp_path / "my_strategies.py").write_text(
+        "from parallama.parallel import MemoryProfile\n"
+        "from parallama.parallel.ddp import DDP\n\n\n"
+        "class Halved(DDP):\n"
+        "    name = 'halved'\n"
+        "    memory_profiles = (MemoryProfile('halved', 'strategy=halved', 'autocast', 'go', guide='sharded'),)\n"
+    )
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "conf" / "strategy" / "halved.yaml").write_text("_target_: my_strategies.Halved\n")
+    args = ["--config-dir", str(tmp_path / "conf"), "model=llama3_8b", "trainer.devices=8", "json=true"]
+    out = run_cli("parallama.plan", *args, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}).stdout
+    estimates = json.loads(out)["estimates"]
+    assert list(estimates)[:3] == ["ddp", "halved", "ddp_sharded"]  # its guide step, before the built-ins
+    assert estimates["halved"]["optim"] == estimates["ddp_sharded"]["optim"]  # sharded like ZeRO-1's
+    assert estimates["halved"]["grads"] < estimates["ddp"]["grads"]

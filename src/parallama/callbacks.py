@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 
+from parallama import compat
 from parallama.faults import Preempted
 from parallama.module import ends_the_run
 
@@ -62,7 +63,7 @@ class PreemptionCheckpoint(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """SIGTERM: Lightning registers (and later restores) its notifier; make ours the one it registers."""
-        trainer._signal_connector._sigterm_notifier_fn = self._record  # read at registration (Lightning 2.6)
+        compat.set_sigterm_notifier(trainer, self._record)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._install(trainer)

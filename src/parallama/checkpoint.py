@@ -113,7 +113,9 @@ def weights_only_loads(allowed: list) -> Iterator[None]:
 
 def _dcp_metadata_types() -> dict[tuple[str, str], object]:
     """What DCP's `.metadata` pickle holds (torch 2.13, FSDP2 via Lightning), by (module, name)."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
+
+    from parallama.compat import dcp_metadata_private_types
 
     types = [
         metadata.Metadata,
@@ -123,11 +125,9 @@ def _dcp_metadata_types() -> dict[tuple[str, str], object]:
         metadata.TensorProperties,
         metadata.MetadataIndex,
         metadata.StorageMeta,
-        metadata._MEM_FORMAT_ENCODING,
-        filesystem._StorageInfo,
         torch.Size,
-        torch.serialization._get_layout,  # rebuilds a torch.layout from its name
         type(pathlib.Path()),  # StorageMeta.checkpoint_id
+        *dcp_metadata_private_types(),
     ]
     allowed = {(t.__module__, t.__qualname__): t for t in types}
     allowed.update({("torch", n): d for n in dir(torch) if isinstance(d := getattr(torch, n), torch.dtype)})

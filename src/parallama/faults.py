@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from parallama import compat
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
@@ -88,7 +89,7 @@ class _RankWatch(threading.Thread):
 
     def dead_rank(self) -> str | None:
         trainer = self.trainer
-        for i, proc in enumerate(getattr(trainer.strategy.launcher, "procs", [])):
+        for i, proc in enumerate(compat.launched_processes(trainer.strategy)):
             how = _exit_of(proc.pid)
             if how is not None:
                 return f"rank {trainer.global_rank + i + 1} died ({how})"
@@ -111,7 +112,7 @@ class _RankWatch(threading.Thread):
                 time.sleep(self.grace)
                 if self.reported.acquire(blocking=False):
                     log.error(self.line(who))
-                for proc in getattr(self.trainer.strategy.launcher, "procs", []):
+                for proc in compat.launched_processes(self.trainer.strategy):
                     proc.kill()
                 os._exit(EXIT_RANK_DIED)
 
@@ -137,9 +138,7 @@ _watch: _RankWatch | None = None
 def watch_ranks(trainer, output_dir: str) -> None:
     """Watch this run's ranks, in place of Lightning's observer (which SIGKILLs rank 0 without a word)."""
     global _watch
-    from lightning.pytorch.strategies.launchers import subprocess_script
-
-    subprocess_script._launch_process_observer = lambda procs: None
+    compat.disable_process_observer()
     stop_watching()
     _watch = _RankWatch(trainer, output_dir)
     _watch.start()

@@ -40,12 +40,9 @@ def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
 
 
 def patch_ddp_relaunch() -> None:
-    # The pytorch launcher imports the function by name, so both modules need the replacement.
-    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
-    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+    from parallama.compat import replace_hydra_subprocess_cmd
 
-    fabric_launcher._hydra_subprocess_cmd = ddp_child_command
-    pytorch_launcher._hydra_subprocess_cmd = ddp_child_command
+    replace_hydra_subprocess_cmd(ddp_child_command)
 
 
 # Set in os.environ by Lightning's launchers (and WANDB_MODE by its offline WandbLogger) for the job under way.
@@ -70,12 +67,10 @@ class JobIsolation(Callback):
     def on_job_end(self, config, job_return, **kwargs) -> None:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            ds_comm = sys.modules.get("deepspeed.comm.comm")
-            if ds_comm is not None and ds_comm.cdb is not None:
-                ds_comm.destroy_process_group()  # DeepSpeed also drops the groups it cached for this job
-            else:
-                dist.destroy_process_group()
+        from parallama.compat import destroy_deepspeed_groups
+
+        if dist.is_available() and dist.is_initialized() and not destroy_deepspeed_groups():
+            dist.destroy_process_group()
         for key, value in self.environ.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import lightning as L
@@ -14,7 +13,8 @@ from torchmetrics import MeanMetric
 
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.model import Llama, LlamaConfig
-from parallama.parallelize import parallelize
+from parallama.parallel import Parallelism, data_parallel
+from parallama.parallel.universal import INFO_KEY
 
 log = logging.getLogger("parallama")
 
@@ -53,21 +53,6 @@ def ends_the_run(trainer) -> bool:
     return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
-@contextmanager
-def _gathered_if_zero3(model: torch.nn.Module):
-    """Under DeepSpeed ZeRO-3 Lightning builds the model inside `deepspeed.zero.Init`, which partitions each
-    parameter as soon as its module exists. Yields True with full tensors gathered (rank 0's writes are then
-    scattered to every rank), else False and nothing happens."""
-    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        yield False
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        yield True
-
-
 class LlamaLM(L.LightningModule):
     """Causal language modelling on a `Llama`. Arguments are plain dicts so checkpoints rebuild the module."""
 
@@ -89,32 +74,23 @@ class LlamaLM(L.LightningModule):
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
 
     def configure_model(self) -> None:
-        """Build (and shard) the model here so that strategies can wrap it as it is created."""
+        """Build (and shard) the model here, as the strategy says (parallel/): strategies wrap it as it is
+        created (ZeRO-3, the meta device) and parallelize it before the optimizer exists."""
         if self.model is not None:
             return
         strategy = self._trainer.strategy if self._trainer is not None else None
-        meta_init = getattr(strategy, "meta_init", False)
-        with torch.device("meta") if meta_init else nullcontext():
+        if not isinstance(strategy, Parallelism):  # outside a Trainer: plain PyTorch
+            strategy = Parallelism()
+        with strategy.model_init_context():
             model = Llama(self.config)
-        if self.hparams.init_from and meta_init:
-            raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
-        with _gathered_if_zero3(model) as zero3:
-            if zero3:
-                model.init_weights()  # the constructor's init wrote into empty shards: redo it, gathered
-            if self.hparams.init_from:
-                from parallama.hf import load_hf_weights
-
-                load_hf_weights(model, self.hparams.init_from)
-        model = parallelize(
+        strategy.init_weights(model)
+        if self.hparams.init_from:
+            strategy.load_pretrained(model, self.hparams.init_from)
+        self.model = strategy.parallelize(
             model,
-            strategy,
             compile=self.hparams.compile,
             activation_checkpointing=self.hparams.activation_checkpointing,
         )
-        if meta_init:
-            model.to_empty(device=strategy.root_device)
-            model.init_weights()
-        self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, attention_mask)
@@ -132,7 +108,7 @@ class LlamaLM(L.LightningModule):
                 f"train/loss is {loss.item()} at step {self.global_step}: lower optimizer.lr or raise "
                 "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
-        self.tokens_seen += batch["input_ids"].numel() * self.trainer.world_size
+        self.tokens_seen += batch["input_ids"].numel() * data_parallel(self.trainer)[0]
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
@@ -175,24 +151,19 @@ class LlamaLM(L.LightningModule):
     def configure_optimizers(self):
         opt = dict(self.hparams.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Matrices decay, norm weights do not. ZeRO-3 has already partitioned the tensors (flat shards): its
-        # parameters keep their real shape in `ds_shape`.
-        decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
-        no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
+        strategy = self.trainer.strategy
+        shape = strategy.param_shape if isinstance(strategy, Parallelism) else Parallelism.param_shape
+        decay = [p for p in params if len(shape(p)) >= 2]  # matrices decay, norm weights do not
+        no_decay = [p for p in params if len(shape(p)) < 2]
         groups = [
             {"params": decay, "weight_decay": opt["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
         kwargs = {"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"]}
-        if getattr(self.trainer.strategy, "offload_optimizer", False):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
-
-            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        if isinstance(strategy, Parallelism):
+            optimizer = strategy.make_optimizer(groups, fused=opt.get("fused"), **kwargs)
         else:
-            fused = opt.get("fused")
-            if fused is None:
-                fused = self.device.type == "cuda"
-            optimizer = torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+            optimizer = torch.optim.AdamW(groups, fused=opt.get("fused"), **kwargs)
 
         sched = self.hparams.scheduler
         total = int(self.trainer.estimated_stepping_batches)
@@ -211,6 +182,8 @@ class LlamaLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": lr_schedule}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if isinstance(self.trainer.strategy, Parallelism):  # who wrote it: any strategy can resume it
+            checkpoint[INFO_KEY] = self.trainer.strategy.checkpoint_info(self)
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["tokenizer"] = self.tokenizer_json
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
 from parallama.model import LlamaConfig
+from parallama.parallel import GUIDE, MemoryProfile, memory_profiles
 
 GIB = 2**30
 OVERHEAD_GIB = 1.5
@@ -22,43 +24,9 @@ HEADROOM = 0.9  # a plan fits when its total is at most 90% of the GPU's memory
 MIXED, FP32 = ("bf16-mixed", "16-mixed"), ("32-true", "32")
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """Where a strategy keeps model states: `shard` (1/n each) and `offload` (to CPU) name them by letter,
-    p(arams) g(rads) o(ptimizer state); `gathered`: none, "working" (root + 2 blocks) or "all" parameters."""
-
-    overrides: str
-    engine: str  # "autocast" (Lightning's mixed precision), "deepspeed" or "fsdp" (their own)
-    shard: str = ""
-    offload: str = ""
-    gathered: str = "none"
-
-
-DS, OFFLOAD = "strategy=deepspeed strategy.stage=", " strategy.offload_optimizer=true"
-STRATEGIES = {
-    "ddp": Strategy("strategy=ddp", "autocast"),
-    "ddp_sharded": Strategy("strategy=ddp_sharded", "autocast", "o"),
-    "deepspeed_1": Strategy(DS + "1", "deepspeed", "o"),
-    "deepspeed_2": Strategy(DS + "2", "deepspeed", "go"),
-    "fsdp_zero2": Strategy(
-        "strategy=fsdp strategy.reshard_after_forward=false", "fsdp", "pgo", gathered="all"
-    ),
-    "fsdp": Strategy("strategy=fsdp", "fsdp", "pgo", gathered="working"),
-    "deepspeed_3": Strategy(DS + "3", "deepspeed", "pgo", gathered="working"),
-    "deepspeed_2_offload": Strategy(DS + "2" + OFFLOAD, "deepspeed", "go", "go"),
-    "fsdp_offload": Strategy("strategy=fsdp strategy.cpu_offload=true", "fsdp", "pgo", "pgo", "working"),
-    "deepspeed_3_offload": Strategy(
-        DS + "3" + OFFLOAD + " strategy.offload_parameters=true", "deepspeed", "pgo", "pgo", "working"
-    ),
-}
-# The guide's order: plain DDP, then sharding optimizer state / gradients, then parameters too.
-# Activation checkpointing is tried on these next; CPU offload (slower) comes last.
-GUIDE = [
-    ("ddp", ["ddp"]),
-    ("sharded", ["ddp_sharded", "deepspeed_1", "deepspeed_2", "fsdp_zero2"]),
-    ("fully sharded", ["fsdp", "deepspeed_3"]),
-    ("offload", ["deepspeed_2_offload", "fsdp_offload", "deepspeed_3_offload"]),
-]
+def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
+    """What every strategy of the `strategy` group declares (parallama.parallel), in the guide's order."""
+    return memory_profiles([*(conf_dirs or []), CONF_DIR])
 
 
 @dataclass(frozen=True)
@@ -124,11 +92,12 @@ def estimate(
     micro_batch: int,
     precision: str,
     activation_checkpointing: bool,
+    strategies: dict[str, MemoryProfile] | None = None,
 ) -> dict[str, Estimate]:
-    """Per-GPU peak memory of every strategy in STRATEGIES (see the module docstring for the accounting)."""
+    """Per-GPU peak memory of every strategy profile (see the module docstring for the accounting)."""
     n, psi = world_size, config.num_params()
     out = {}
-    for name, s in STRATEGIES.items():
+    for name, s in (strategies or profiles()).items():
         per = state_bytes(precision, s.engine)
         states = [
             0 if k in s.offload else -(-psi * b // n) if k in s.shard else psi * b
@@ -154,15 +123,17 @@ WHY = {
 }
 
 
-def recommend(plans: dict[bool, dict[str, Estimate]], gpu_memory_gb: float) -> tuple[str, bool, str] | None:
+def recommend(
+    plans: dict[bool, dict[str, Estimate]], gpu_memory_gb: float, strategies: dict[str, MemoryProfile]
+) -> tuple[str, bool, str] | None:
     """First (strategy, activation_checkpointing, why) in the guide's order that fits; `plans` holds the
     estimates without (unless the user asked for it) and with activation checkpointing."""
-    steps = [(stage, c) for c in (False, True) for stage, _ in GUIDE[:3]] + [
+    steps = [(stage, c) for c in (False, True) for stage in GUIDE[:3]] + [
         ("offload", False),
         ("offload", True),
     ]
     for stage, c in steps:
-        for name in dict(GUIDE)[stage]:
+        for name in [n for n, p in strategies.items() if p.guide == stage]:
             if c in plans and plans[c][name].fits(gpu_memory_gb):
                 more = (
                     "; activations were the problem: with activation checkpointing"
@@ -173,10 +144,11 @@ def recommend(plans: dict[bool, dict[str, Estimate]], gpu_memory_gb: float) -> t
     return None
 
 
-def plan(cfg, gpu_memory_gb: float, overrides: list[str]) -> dict:
+def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] | None = None) -> dict:
     """Estimates and recommendation for a composed training config, as a JSON-able dict."""
     from omegaconf import OmegaConf
 
+    strategies = profiles(conf_dirs)
     notes, model = [], OmegaConf.to_container(cfg.model, resolve=True)
     if model["vocab_size"] is None:
         if "name_or_path" in cfg.tokenizer:
@@ -203,7 +175,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str]) -> dict:
         world_size=devices * cfg.trainer.num_nodes, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size
     )
     plans = {
-        c: estimate(config, precision=precision, activation_checkpointing=c, **shape) for c in {ckpt, True}
+        c: estimate(config, precision=precision, activation_checkpointing=c, strategies=strategies, **shape)
+        for c in {ckpt, True}
     }
     rows = {
         c: {k: {**asdict(e), "total": e.total, "fits": e.fits(gpu_memory_gb)} for k, e in p.items()}
@@ -214,19 +187,20 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str]) -> dict:
         activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt], estimates_checkpointing=rows[True]
     )
     result["recommendation"] = None
-    if rec := recommend(plans, gpu_memory_gb):
+    if rec := recommend(plans, gpu_memory_gb, strategies):
         name, with_ckpt, why = rec
-        line = command(name, with_ckpt, precision, shape["world_size"], overrides)
+        line = command(strategies[name], with_ckpt, precision, shape["world_size"], overrides)
         result["recommendation"] = dict(
             strategy=name, activation_checkpointing=with_ckpt, why=why, command=line
         )
     return result
 
 
-def command(name: str, ckpt: bool, precision: str, world_size: int, overrides: list[str]) -> str:
+def command(profile: MemoryProfile, ckpt: bool, precision: str, world_size: int, overrides: list[str]) -> str:
     """The `parallama-train` line: the user's overrides, minus those the plan sets, plus the plan's."""
-    planned = ["strategy=auto"] if name == "ddp" and world_size == 1 else STRATEGIES[name].overrides.split()
-    if STRATEGIES[name].engine == "fsdp" and precision in MIXED:
+    one_device = profile.guide == "ddp" and world_size == 1
+    planned = ["strategy=auto"] if one_device else profile.overrides.split()
+    if profile.engine == "fsdp" and precision in MIXED:
         planned += ["strategy.mixed_precision=bf16", "trainer.precision=32-true"]  # FSDP's own, not autocast
     planned += ["activation_checkpointing=true"] if ckpt else []
     ours = {_key(o) for o in planned} | {"activation_checkpointing"}
@@ -238,14 +212,20 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=")[0]
 
 
-def compose(overrides: list[str]):
-    """The training config for these overrides; Hydra's complaints become parallama-train's one-line errors."""
+def compose(overrides: list[str], conf_dirs: list[Path] | None = None):
+    """The training config for these overrides (`conf_dirs`: searched too, as parallama-train's --config-dir);
+    Hydra's complaints become parallama-train's one-line errors."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from parallama.checks import _one_line
 
+    if conf_dirs:
+        overrides = [
+            *overrides,
+            f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in conf_dirs)}]",
+        ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         try:
             return compose("train", overrides=overrides)
@@ -287,22 +267,29 @@ def show(result: dict) -> None:
     console.print(rec["command"], markup=False, highlight=False, soft_wrap=True)
 
 
-USAGE = """parallama-plan [gpu_memory_gb=80] [json=false] <parallama-train overrides>
+USAGE = """parallama-plan [--config-dir DIR] [gpu_memory_gb=80] [json=false] <parallama-train overrides>
   e.g. parallama-plan model=llama3_8b trainer.devices=8 gpu_memory_gb=80 data.seq_len=8192
 
 Per-GPU memory of every strategy for the training config these overrides compose (any parallama-train
 override works), and the first option of the guide in docs/strategies.md that fits in 90% of
-gpu_memory_gb (GiB), with the parallama-train line to run. json=true prints the numbers as JSON."""
+gpu_memory_gb (GiB), with the parallama-train line to run. json=true prints the numbers as JSON.
+The strategies are those conf/strategy declares (and --config-dir DIR/strategy, as for parallama-train)."""
 
 
 def main(argv: list[str] | None = None) -> None:
     """`parallama-plan [gpu_memory_gb=80] [json=true] <parallama-train overrides>`."""
-    gpu_memory_gb, as_json, overrides = 80.0, False, []
-    args = sys.argv[1:] if argv is None else argv
+    gpu_memory_gb, as_json, overrides, conf_dirs = 80.0, False, [], []
+    args = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(args):
         print(USAGE)
         sys.exit(0)
+    while "--config-dir" in args:  # more strategy (and other) configs, as parallama-train --config-dir
+        i = args.index("--config-dir")
+        conf_dirs.append(Path(args.pop(i + 1)) if i + 1 < len(args) else None)
+        args.pop(i)
     try:
+        if None in conf_dirs:
+            raise ConfigError("--config-dir needs a directory")
         for arg in args:
             key, _, value = arg.lstrip("+").partition("=")
             if key == "gpu_memory_gb":
@@ -314,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                 as_json = value.lower() in ("", "true", "1")
             else:
                 overrides.append(arg)
-        result = plan(compose(overrides), gpu_memory_gb, overrides)
+        result = plan(compose(overrides, conf_dirs), gpu_memory_gb, overrides, conf_dirs)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

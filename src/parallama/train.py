@@ -32,6 +32,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     datamodule, model, callbacks, logger, trainer), as lightning-hydra-template's `train` does, so a config
     composed with `hydra.compose(..., return_hydra_config=True)` can be trained from Python (tests, notebooks)."""
     check_config(cfg)
+    from parallama.compat import check_internals
+
+    check_internals(deepspeed="deepspeed" in str(cfg.strategy.get("_target_", "")))
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 

@@ -1,0 +1,87 @@
+"""One device, DDP (`ddp`, `ddp_spawn`) and ZeRO-1 (`ddp_sharded`): every rank holds the whole model.
+
+- `auto`: one device; with several (trainer.devices, trainer.num_nodes) it is `ddp`, as Lightning's `auto`.
+- `ddp_sharded`: Lightning 2.x dropped FairScale's strategy of that name; the same idea today is DDP plus
+  PyTorch's `ZeroRedundancyOptimizer` (ZeRO-1: each rank keeps 1/world of the optimizer state).
+All write single-file checkpoints, with the full optimizer state (ZeroRedundancyOptimizer consolidates it).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from parallama.parallel.base import MemoryProfile, Parallelism
+
+
+class SingleDevice(Parallelism, SingleDeviceStrategy):
+    """One process on one device: the accelerator's first (Lightning fills `parallel_devices`)."""
+
+    name = "auto"
+
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+        self.parallel_devices: list[torch.device] | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else super().root_device
+
+
+class DDP(Parallelism, DDPStrategy):
+    """Lightning's DDPStrategy: a full replica per rank, gradients all-reduced in buckets during backward."""
+
+    name = "ddp"
+    memory_profiles = (MemoryProfile("ddp", "strategy=ddp", "autocast", guide="ddp"),)
+
+
+class DDPSpawn(DDP):
+    """DDP whose ranks are spawned from the main process instead of re-running the command (notebooks).
+    Same memory as ddp, so the planner does not list it separately."""
+
+    name = "ddp_spawn"
+    memory_profiles = ()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(start_method="spawn", **kwargs)
+
+
+class ShardedDDP(DDP):
+    """DDP whose optimizer state is sharded across ranks (ZeRO stage 1)."""
+
+    name = "ddp_sharded"
+    memory_profiles = (
+        MemoryProfile("ddp_sharded", "strategy=ddp_sharded", "autocast", "o", guide="sharded"),
+    )
+
+    def mesh_shape(self) -> dict[str, int]:
+        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        sharded = []
+        for optimizer in self.optimizers:
+            groups = [dict(group) for group in optimizer.param_groups]
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+            for config in self.lr_scheduler_configs:
+                if config.scheduler.optimizer is optimizer:
+                    config.scheduler.optimizer = zero
+            sharded.append(zero)
+        self.optimizers = sharded
+
+
+def auto(devices="auto", num_nodes: int = 1, accelerator: str = "auto") -> Parallelism:
+    """`strategy=auto`: SingleDevice for one device in all, else DDP (what Lightning's `auto` picks)."""
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    else:  # "auto" or -1: every GPU, or one CPU process (Lightning's CPU default)
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        count = max(torch.cuda.device_count(), 1) if gpu else 1
+    return SingleDevice() if count * num_nodes == 1 else DDP()

@@ -13,6 +13,8 @@ import importlib.metadata
 import inspect
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from parallama.errors import ConfigError
 
 TESTED = {"lightning": "2.6.6", "torch": "2.13.0", "deepspeed": "0.19.8"}  # pyproject.toml's pins
@@ -228,3 +230,69 @@ def dcp_metadata_private_types() -> list:
     from torch.distributed.checkpoint import filesystem, metadata
 
     return [filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, torch.serialization._get_layout]
+
+
+# --- DeepSpeed's ZeRO internals (for parallel/zero_state.py) ------------------------------------------------------------------------------------
+# DeepSpeed has no public API for (a) merging anything but the fp32 weights of a checkpoint (its public
+# get_fp32_state_dict_from_zero_checkpoint drops the moments on reading), nor (b) for the flat fp32 partitions
+# that key its base optimizer's state (needed to create that state before the first step, as DeepSpeed's own
+# universal-checkpoint loader does, and to read the step count). Both are here:
+# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/utils/zero_to_fp32.py
+# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/base_optimizer.py
+#   (load_hp_checkpoint_state_from_checkpoint_dir)
+
+
+def deepspeed_changed(what: str) -> RuntimeError:
+    import deepspeed
+
+    return RuntimeError(
+        f"DeepSpeed {deepspeed.__version__}: {what} is not where parallama.compat expects it "
+        "(written for DeepSpeed 0.19); update src/parallama/compat.py"
+    )
+
+
+def zero_merge(
+    zero_to_fp32,
+    stage: int,
+    world: int,
+    flat_groups: list,
+    model_states: list,
+    paddings,
+    include_frozen: bool,
+):
+    """`flat_groups[rank][k]` (fp32 weights or a moment) -> {name: full tensor}, by zero_to_fp32's merge."""
+    try:
+        if stage <= 2:
+            merged = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+                world, flat_groups, model_states, not include_frozen, paddings
+            )
+        else:
+            merged = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(
+                world, flat_groups, model_states, not include_frozen
+            )
+        return zero_to_fp32.to_torch_tensor(merged)
+    except (AttributeError, TypeError) as err:
+        raise deepspeed_changed(f"zero_to_fp32's merge ({err})") from None
+
+
+def zero_partitions(zero) -> list[tuple[int, Tensor, list]]:
+    """A running ZeRO optimizer's (param group index, flat fp32 partition keying the base optimizer's state,
+    the module parameters it holds) per flat partition of this rank."""
+    try:
+        if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: sub-groups of param groups
+            return [
+                (zero.sub_group_to_group_id[k], flat, list(zero.fp16_groups[k]))
+                for k, flat in enumerate(zero.fp32_partitioned_groups_flat)
+            ]
+        if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+            return [
+                (i, flat, list(zero.bit16_groups[i]))
+                for i, flat in enumerate(zero.single_partition_of_fp32_groups)
+            ]
+        if hasattr(zero, "fp32_groups_flat_partition"):  # BF16_Optimizer (ZeRO-1 with fp32 grad accumulation)
+            return [
+                (i, flat, list(zero.bf16_groups[i])) for i, flat in enumerate(zero.fp32_groups_flat_partition)
+            ]
+    except (AttributeError, KeyError, IndexError):
+        pass
+    raise deepspeed_changed(f"the flat fp32 partitions of {type(zero).__name__}")

@@ -17,8 +17,8 @@ import os
 import sys
 
 import torch
-from torch import Tensor
 
+from parallama import compat
 from parallama.checkpoint import deepspeed_types, load_weights_only, read_client_state, weights_only_loads
 from parallama.errors import ConfigError
 
@@ -49,72 +49,6 @@ DEEPSPEED_KEYS = (
     "ds_config",
     "ds_version",
 )
-
-
-# --- DeepSpeed internals ------------------------------------------------------------------------------------
-# DeepSpeed has no public API for (a) merging anything but the fp32 weights of a checkpoint (its public
-# get_fp32_state_dict_from_zero_checkpoint drops the moments on reading), nor (b) for the flat fp32 partitions
-# that key its base optimizer's state (needed to create that state before the first step, as DeepSpeed's own
-# universal-checkpoint loader does, and to read the step count). Both are used here and nowhere else:
-# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/utils/zero_to_fp32.py
-# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/base_optimizer.py
-#   (load_hp_checkpoint_state_from_checkpoint_dir)
-
-
-def _changed(what: str) -> RuntimeError:
-    import deepspeed
-
-    return RuntimeError(
-        f"DeepSpeed {deepspeed.__version__}: {what} is not where parallama.parallel.zero_state expects it "
-        "(written for DeepSpeed 0.19); update zero_state.py"
-    )
-
-
-def _merge(
-    zero_to_fp32,
-    stage: int,
-    world: int,
-    flat_groups: list,
-    model_states: list,
-    paddings,
-    include_frozen: bool,
-):
-    """`flat_groups[rank][k]` (fp32 weights or a moment) -> {name: full tensor}, by zero_to_fp32's merge."""
-    try:
-        if stage <= 2:
-            merged = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
-                world, flat_groups, model_states, not include_frozen, paddings
-            )
-        else:
-            merged = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(
-                world, flat_groups, model_states, not include_frozen
-            )
-        return zero_to_fp32.to_torch_tensor(merged)
-    except (AttributeError, TypeError) as err:
-        raise _changed(f"zero_to_fp32's merge ({err})") from None
-
-
-def _partitions(zero) -> list[tuple[int, Tensor, list]]:
-    """A running ZeRO optimizer's (param group index, flat fp32 partition keying the base optimizer's state,
-    the module parameters it holds) per flat partition of this rank."""
-    try:
-        if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: sub-groups of param groups
-            return [
-                (zero.sub_group_to_group_id[k], flat, list(zero.fp16_groups[k]))
-                for k, flat in enumerate(zero.fp32_partitioned_groups_flat)
-            ]
-        if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
-            return [
-                (i, flat, list(zero.bit16_groups[i]))
-                for i, flat in enumerate(zero.single_partition_of_fp32_groups)
-            ]
-        if hasattr(zero, "fp32_groups_flat_partition"):  # BF16_Optimizer (ZeRO-1 with fp32 grad accumulation)
-            return [
-                (i, flat, list(zero.bf16_groups[i])) for i, flat in enumerate(zero.fp32_groups_flat_partition)
-            ]
-    except (AttributeError, KeyError, IndexError):
-        pass
-    raise _changed(f"the flat fp32 partitions of {type(zero).__name__}")
 
 
 # --- offline: a checkpoint folder -> universal state ---------------------------------------------------------
@@ -175,10 +109,10 @@ def _merge_shards(path: str, zero_to_fp32, shards: list[dict], model_states: lis
     ids = [i for group in groups for i in group["params"]]
     group_of = {i: g for g, group in enumerate(groups) for i in group["params"]}
     if len(ids) != len(flats[0]) or len(model_states[0].param_shapes) != len(ids):
-        raise _changed("the flat groups of a ZeRO checkpoint")
+        raise compat.deepspeed_changed("the flat groups of a ZeRO checkpoint")
     paddings = first.get("param_alignment_paddings")
 
-    model = _merge(zero_to_fp32, stage, world, flats, model_states, paddings, include_frozen=True)
+    model = compat.zero_merge(zero_to_fp32, stage, world, flats, model_states, paddings, include_frozen=True)
     names = [[name for name in shapes] for shapes in model_states[0].param_shapes]
     frozen = list(model_states[0].frozen_param_shapes or {})
     model = {name: model[name].float().clone() for name in [n for group in names for n in group] + frozen}
@@ -191,7 +125,9 @@ def _merge_shards(path: str, zero_to_fp32, shards: list[dict], model_states: lis
                 [base[r]["state"][i][key].flatten()[: flats[r][k].numel()] for k, i in enumerate(ids)]
                 for r in range(world)
             ]  # ZeRO-1/2 store moments with the alignment padding their fp32 partitions drop
-            merged = _merge(zero_to_fp32, stage, world, moment, model_states, paddings, include_frozen=False)
+            merged = compat.zero_merge(
+                zero_to_fp32, stage, world, moment, model_states, paddings, include_frozen=False
+            )
             for name in state:
                 state[name][key] = merged[name].float().clone()
         for k, i in enumerate(ids):
@@ -238,7 +174,7 @@ def gather_from_deepspeed(strategy_or_engine, lightning_module) -> tuple[dict, d
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero, names = _engine_and_names(strategy_or_engine, lightning_module)
-    parts = _partitions(zero)
+    parts = compat.zero_partitions(zero)
     has_state = _has_state(zero, parts)
     if has_state:
         _link_moments(zero, parts)
@@ -273,7 +209,7 @@ def load_into_deepspeed(strategy_or_engine, lightning_module, model: dict, optim
     zero, names = _engine_and_names(strategy_or_engine, lightning_module)
     if missing := sorted(set(names.values()) - set(model)):
         raise ConfigError(f"the universal state has no weights for {missing[0]} (a different model?)")
-    parts = _partitions(zero)
+    parts = compat.zero_partitions(zero)
     base, state = zero.optimizer, optimizer.get("state") or {}
     if state and not _has_state(zero, parts):  # AdamW creates its state at the first step: create it now
         torch_optimizer = type(base).__module__.startswith("torch.optim")

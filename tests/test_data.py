@@ -1,5 +1,6 @@
 """Data pipeline tests: tokenizers, sources, caching, packing/padding, sampling. Bad input: test_bad_data.py."""
 
+import itertools
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from torch.utils.data import DistributedSampler
 
 from parallama.data import (
     BOT,
@@ -262,7 +264,8 @@ def test_packed_dataset_is_exact():
         inputs = torch.cat([it["input_ids"] for it in items])
         assert inputs.dtype == torch.int64
         assert inputs.tolist() == tokens[: len(ds) * seq_len].tolist()  # nothing lost or duplicated
-        for it in items:
+        for i, it in enumerate(items):
+            assert int(it["index"]) == i  # what the data module checks each train batch against
             assert it["labels"][:-1].tolist() == it["input_ids"][1:].tolist()
             assert it["labels"][-1] == it["input_ids"][-1] + 1
     assert len(PackedDataset(tokens, 1000)) == 0
@@ -286,7 +289,8 @@ def test_padded_dataset_truncates_and_pads():
     assert long["attention_mask"].tolist() == [1] * 5
     assert empty["labels"].tolist() == [2, -100, -100, -100, -100]
     assert empty["attention_mask"].tolist() == [1, 1, 0, 0, 0]
-    assert all(v.dtype == torch.int64 and v.shape == (5,) for v in short.values())
+    assert [int(it["index"]) for it in (short, long, empty)] == [0, 1, 2]
+    assert all(v.dtype == torch.int64 and v.shape == (5,) for k, v in short.items() if k != "index")
 
 
 def test_memmap_datasets_pickle_as_path(tmp_path):
@@ -318,22 +322,63 @@ def test_sampler_ranks_partition_the_single_process_epoch(n):
     assert set(_epoch(n, 2, 0)[:b]) | set(_epoch(n, 2, 1)[:b]) == set(single[: 2 * b])
 
 
-def test_sampler_resume_and_set_epoch():
-    sampler = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
-    full = list(sampler)
-    it = iter(sampler)
-    seen = [next(it) for _ in range(9)]
-    state = sampler.state_dict()
-    assert state == {"epoch": 0, "consumed": 9} and seen == full[:9]
-    resumed = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
-    resumed.load_state_dict(state)
-    assert list(resumed) == full[9:]
-    assert list(resumed) == full  # the skip applies once
-    resumed.set_epoch(1)
-    assert list(resumed) != full and len(list(resumed)) == len(full)
-    other = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
-    other.set_epoch(1)
-    assert list(other) == list(resumed)
+def _train(n, segments, seed=3):
+    """Train `segments` of (world size, per-rank batch, steps) one after another, each resuming at the global
+    position where the previous one stopped, as the data module does. Returns {epoch: sample indices trained}."""
+    trained, epoch, position = {}, 0, 0
+    for world, batch, steps in segments:
+        size = world * batch
+        samplers = [ResumableDistributedSampler(range(n), world, rank, seed=seed) for rank in range(world)]
+        for sampler in samplers:
+            sampler.start_at(epoch, position)
+            assert len(sampler) == n // world  # the full epoch: Lightning's count of batches
+        ranks = [iter(sampler) for sampler in samplers]
+        for _ in range(steps):
+            if n - position < size:  # no full global batch left: the loader starts the next epoch
+                epoch, position = epoch + 1, 0
+                for sampler in samplers:
+                    sampler.set_epoch(epoch)
+                ranks = [iter(sampler) for sampler in samplers]
+            shares = [list(itertools.islice(rank, batch)) for rank in ranks]
+            assert all(len(share) == batch for share in shares)
+            trained.setdefault(epoch, []).extend(i for share in shares for i in share)
+            position += size
+    return trained
+
+
+@pytest.mark.parametrize("before, after", [((2, 3), (1, 6)), ((1, 6), (2, 3)), ((2, 3), (3, 2))])
+def test_resume_at_another_world_size_trains_what_an_uninterrupted_run_does(before, after):
+    """Same global batch: the samples of every epoch (the second is entered after the resume) are those of a
+    run at the new size from the start, each once."""
+    resumed = _train(37, [(*before, 4), (*after, 6)])
+    straight = _train(37, [(*after, 10)])
+    assert resumed.keys() == straight.keys() == {0, 1}
+    for epoch, samples in resumed.items():
+        assert len(set(samples)) == len(samples) and sorted(samples) == sorted(straight[epoch])
+
+
+def test_resume_with_another_global_batch_continues_at_the_same_sample():
+    """4 samples per step, then 6: each epoch trains a prefix of its order, each sample once; only a tail
+    shorter than one global batch is left out, as in any epoch."""
+    resumed = _train(37, [(2, 2, 4), (3, 2, 8)])
+    assert {e: len(s) for e, s in resumed.items()} == {0: 16 + 3 * 6, 1: 5 * 6}
+    sampler = ResumableDistributedSampler(range(37), seed=3)
+    for epoch, samples in resumed.items():
+        assert len(set(samples)) == len(samples)
+        assert sorted(samples) == sorted(sampler.order(epoch)[: len(samples)].tolist())
+    assert sampler.order(0).tolist() != sampler.order(1).tolist()  # a new epoch reshuffles (seed + epoch)
+
+
+def test_sampler_order_is_distributed_samplers():
+    """The same order as before positions were global, so older checkpoints continue their epoch exactly."""
+    for world in (1, 2, 3):
+        for rank in range(world):
+            old = DistributedSampler(range(50), world, rank, shuffle=True, seed=7, drop_last=True)
+            new = ResumableDistributedSampler(range(50), world, rank, seed=7)
+            for epoch in (0, 1):
+                old.set_epoch(epoch)
+                new.set_epoch(epoch)
+                assert list(new) == list(old)
 
 
 # --- datamodule -------------------------------------------------------------
@@ -380,8 +425,9 @@ def test_datamodule_end_to_end(tmp_path, tokenizer, packing):
     dm = _dm(tmp_path, tokenizer=tokenizer, packing=packing)
     dm.setup("fit")  # no Trainer: builds the cache itself
     batch = next(iter(dm.train_dataloader()))
-    keys = {"input_ids", "labels"} | ({"attention_mask"} if not packing else set())
+    keys = {"input_ids", "labels", "index"} | ({"attention_mask"} if not packing else set())
     assert set(batch) == keys
+    assert batch.pop("index").shape == (4,)
     assert all(v.shape == (4, 32) and v.dtype == torch.int64 for v in batch.values())
     assert int(batch["input_ids"].max()) < dm.vocab_size
     assert len(dm.val_dataloader()) >= 1

@@ -1,4 +1,5 @@
-"""What a resume continues, and what it refuses: extending a finished run, a changed LR, changed data order.
+"""What a resume continues, and what it refuses: extending a finished run, a changed LR, changed data order,
+another data-parallel size or batch size (continued at the same global sample).
 
 One 6-step run (`finished`) is shared by the tests; each resume is one more single-process run.
 """
@@ -6,6 +7,7 @@ One 6-step run (`finished`) is shared by the tests; each resume is one more sing
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from conftest import train
 
+from parallama.data.position import saved_position
 from parallama.errors import ConfigError
 from parallama.launch import resolve_ckpt_path
 
@@ -30,11 +33,51 @@ def rows(run_dir) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def data_state(ckpt) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["TextDataModule"]
+
+
+def trained(index_log) -> list[tuple[int, list[int]]]:
+    return [(r["epoch"], r["indices"]) for r in map(json.loads, index_log.read_text().splitlines())]
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, data_cache):
+    """6 steps of 1 process x batch 4, with its index log (`run/indices.jsonl`)."""
     tmp = tmp_path_factory.mktemp("finished")
-    train(*CONSTANT_LR, "trainer.max_steps=6", cwd=tmp, cache=data_cache, run_dir=tmp / "run")
+    log = f"data.index_log={tmp / 'run' / 'indices.jsonl'}"
+    train(*CONSTANT_LR, "trainer.max_steps=6", log, cwd=tmp, cache=data_cache, run_dir=tmp / "run")
     return tmp / "run"
+
+
+def test_resume_at_another_world_size_trains_the_same_samples(finished, tmp_path, data_cache):
+    """2 ranks x batch 2 for 3 steps, then 1 process x batch 4 to step 6: the same global batches as the
+    uninterrupted 1 x 4 run, by index log and by running hash, each sample once."""
+    log = tmp_path / "indices.jsonl"
+    ddp = ["strategy=ddp", "trainer.devices=2", "data.batch_size=2", "trainer.max_steps=3"]
+    train(*CONSTANT_LR, *ddp, f"data.index_log={log}", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "a")
+    proc = train(
+        *CONSTANT_LR,
+        "trainer.devices=1",
+        "data.batch_size=4",
+        "trainer.max_steps=6",
+        f"data.index_log={log}",
+        f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "b",
+    )
+    assert "samples per optimizer step" not in proc.stdout + proc.stderr  # same global batch: no warning
+    resumed, straight = trained(log), trained(finished / "indices.jsonl")
+    assert resumed == straight and len(resumed) == 6
+    samples = [i for _, batch in resumed for i in batch]
+    assert len(set(samples)) == len(samples) == 24
+    state, expected = (
+        data_state(tmp_path / "b" / "checkpoints" / "last.ckpt"),
+        data_state(finished / "checkpoints" / "last.ckpt"),
+    )
+    assert state["trained_hash"] == expected["trained_hash"] and state["trained_samples"] == 24
+    assert state["global_consumed"] == expected["global_consumed"] == 24
 
 
 def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data_cache):
@@ -127,22 +170,33 @@ def test_ckpt_path_last_takes_the_newest_run_and_skips_sweeps(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"batch_size": 2}, "with data.batch_size=4 but this run has 2"),
         ({"packing": False}, "with data.packing=True but this run has False"),
         ({"val_fraction": 0.1}, "with data.val_fraction=0.05 but this run has 0.1"),
-        ({}, "with world size (trainer.devices x trainer.num_nodes)=2 but this run has 1"),
     ],
 )
 def test_every_data_order_key_is_checked(tmp_path, change, message):
     """The same check as above, in-process, for the keys the command-line cases leave out."""
+    saved = _datamodule(tmp_path)._order()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _datamodule(tmp_path, **change).check_resume(saved, source="ckpt")
+
+
+def test_batch_size_and_world_size_are_not_checked_and_older_positions_convert(tmp_path):
+    """A per-rank position from before global positions continues if it names its world size (consumed x
+    world size); without the world size it is refused in one line."""
+    world = "world size (trainer.devices x trainer.num_nodes)"
+    old = {**_datamodule(tmp_path)._order(), "epoch": 1, "consumed": 8, "data.batch_size": 4, world: 2}
+    _datamodule(tmp_path, batch_size=2).check_resume(old, source="ckpt")
+    assert saved_position(old, "ckpt") == (1, 16)
+    del old[world]
+    with pytest.raises(ConfigError, match="ckpt stores its data position per rank without its world size"):
+        _datamodule(tmp_path).check_resume(old, source="ckpt")
+
+
+def _datamodule(tmp_path, **kwargs):
     from functools import partial
 
     from parallama.data import TextDataModule, byte_level, embedded
 
-    def datamodule(**kwargs):
-        args = dict(seq_len=64, batch_size=4, cache_dir=str(tmp_path))
-        return TextDataModule(partial(embedded, max_documents=12), byte_level, **{**args, **kwargs})
-
-    saved = datamodule()._order(world_size=2 if not change else 1)
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        datamodule(**change).check_resume(saved, world_size=1, source="ckpt")
+    args = dict(seq_len=64, batch_size=4, cache_dir=str(tmp_path))
+    return TextDataModule(partial(embedded, max_documents=12), byte_level, **{**args, **kwargs})

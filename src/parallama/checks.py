@@ -223,6 +223,7 @@ _RULES = {  # checked when the key exists (strategy keys only for the strategies
     "data.packing": Rule(bool),
     "data.val_fraction": Rule(float, 0, 1, open="high"),
     "data.num_workers": Rule(int, 0),
+    "data.index_log": Rule(str, allow=(None,)),
     "data.source.max_documents": Rule(int, 1, allow=(None,)),
     "data.source.corpus": Rule(str, choices=("prose", "code")),
     "tokenizer.vocab_size": Rule(int, 260),  # 256 bytes + 4 specials

@@ -117,7 +117,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
 
 def check_resume_position(ckpt_path: str, state: dict, datamodule, trainer) -> None:
-    """Refuse a resume that would train nothing, or continue the data order under other settings."""
+    """Refuse a resume that would train nothing, or continue the data order under other settings (the
+    data-parallel size and batch size may change: the data position is a global sample)."""
     step, max_steps = state.get("global_step", 0), trainer.max_steps
     if 0 < max_steps <= step:
         raise ConfigError(
@@ -126,7 +127,7 @@ def check_resume_position(ckpt_path: str, state: dict, datamodule, trainer) -> N
         )
     saved = state.get(type(datamodule).__name__)
     if saved:
-        datamodule.check_resume(saved, trainer.world_size, source=f"ckpt_path={ckpt_path}")
+        datamodule.check_resume(saved, source=f"ckpt_path={ckpt_path}")
 
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:

@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import cached_property
 
 import numpy as np
@@ -36,12 +36,12 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
+from parallama.data.position import TrainPosition, saved_position
 from parallama.data.progress import Progress
-from parallama.data.tokenizer import CHUNK_CHARS, SpecialIds, chunks, special_ids, splits_safely
+from parallama.data.tokenizer import SpecialIds, encode_documents, special_ids
 from parallama.errors import ConfigError
 
 SPLITS = ("train", "val")
-BATCH_CHARS = 256 * 1024  # text per encode_batch call: bounds the tokenizer's Encoding objects
 
 log = logging.getLogger("parallama")
 
@@ -76,19 +76,8 @@ def _open_tokens(path: str, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
-def _pieces(docs: Iterable[str], size: int | None) -> Iterator[tuple[str, bool, bool]]:
-    """(text, first piece of its document, last piece) for every document, cut in `chunks` of `size`."""
-    for doc in docs:
-        parts = chunks(doc, size) if size else iter((doc,))
-        part, first = next(parts), True
-        for after in parts:
-            yield part, first, False
-            part, first = after, False
-        yield part, first, True
-
-
 class TextDataModule(LightningDataModule):
-    """Pretraining data. `batch_size` is per process: global batch = batch_size x world size.
+    """Pretraining data. `batch_size` is per process: global batch = batch_size x data-parallel size.
 
     `source` and `tokenizer` are callables (Hydra `_partial_: true`); a tokenizer that
     takes `texts` (e.g. `train_bpe`) is trained on all source documents.
@@ -106,6 +95,7 @@ class TextDataModule(LightningDataModule):
         cache_dir: str = "data/cache",
         seed: int = 42,
         tokenize_batch_size: int = 1000,
+        index_log: str | None = None,
     ):
         super().__init__()
         if seq_len < 1:
@@ -118,9 +108,11 @@ class TextDataModule(LightningDataModule):
         self.seq_len, self.batch_size, self.packing = seq_len, batch_size, packing
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
+        self.index_log = index_log  # rank 0 appends each trained global batch's sample indices (JSON lines)
         self._trains = "texts" in inspect.signature(tokenizer).parameters
         self._source_key = _source_key(source)  # also finds missing or unreadable paths before any work
         self._resume_state: dict | None = None
+        self.position: TrainPosition | None = None  # set with the train loader
         self.datasets: dict[str, Dataset] = {}
 
     @cached_property
@@ -191,7 +183,7 @@ class TextDataModule(LightningDataModule):
         dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
         all_path = os.path.join(out, "all.bin")
         with open(all_path, "wb") as f, Progress("tokenizing") as progress:
-            lengths = self._tokenize(self.source(), f, dtype, progress)
+            lengths = encode_documents(tok, self.source(), f, dtype, progress, self.tokenize_batch_size)
         n_docs = len(lengths)
         if n_docs == 0:
             raise ConfigError("data.source yielded no documents")
@@ -214,44 +206,6 @@ class TextDataModule(LightningDataModule):
         tok.save(os.path.join(out, "tokenizer.json"))
         with open(os.path.join(out, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
-
-    def _tokenize(self, docs: Iterable[str], f, dtype: np.dtype, progress: Progress) -> list[int]:
-        """Write [BOT] + ids + [EOT] of every document to `f`; returns their lengths. Memory does not grow
-        with the longest document: long ones are encoded in chunks where that keeps the ids the same
-        (`splits_safely`), at most BATCH_CHARS of text per encode_batch, ids go out as numpy arrays."""
-        tok, ids = self.tokenizer, self.special_ids
-        bot, eot = np.array([ids.bot], dtype), np.array([ids.eot], dtype)
-        size = CHUNK_CHARS if splits_safely(tok) else None
-        lengths: list[int] = []
-        doc_len = 0  # tokens so far of the document in progress (it may span batches)
-        batch: list[tuple[str, bool, bool]] = []
-        chars = 0
-
-        def flush() -> None:
-            nonlocal doc_len
-            arrays, n_tokens, n_docs = [], 0, 0
-            for (_, first, last), enc in zip(
-                batch, tok.encode_batch([text for text, _, _ in batch], add_special_tokens=False), strict=True
-            ):
-                arrays += [bot] * first + [encoded := np.array(enc.ids, dtype)] + [eot] * last
-                n = len(encoded) + first + last
-                doc_len, n_tokens = doc_len + n, n_tokens + n
-                if last:
-                    lengths.append(doc_len)
-                    doc_len, n_docs = 0, n_docs + 1
-            f.write(np.concatenate(arrays).tobytes())
-            progress.update(n_docs, n_tokens)
-            batch.clear()
-
-        for piece in _pieces(docs, size):
-            batch.append(piece)
-            chars += len(piece[0])
-            if len(batch) >= self.tokenize_batch_size or chars >= BATCH_CHARS:
-                flush()
-                chars = 0
-        if batch:
-            flush()
-        return lengths
 
     def setup(self, stage: str | None = None) -> None:
         """Open the cached splits; builds the cache when used outside a Trainer. For `fit`, checks that
@@ -284,6 +238,8 @@ class TextDataModule(LightningDataModule):
             )
 
     def _world(self) -> tuple[int, int]:
+        """The data-parallel size and this process's rank in it: every use (sampler, position, checks) reads
+        them here, so that another parallelism layout only has to change this method."""
         return (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
 
     def _loader(self, split: str, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
@@ -299,50 +255,66 @@ class TextDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = ResumableDistributedSampler(
-            self.datasets["train"], world, rank, shuffle=True, seed=self.seed
-        )
-        if self._resume_state:
-            sampler.load_state_dict(self._resume_state)  # skip what was trained on before the checkpoint
+        sampler = ResumableDistributedSampler(self.datasets["train"], world, rank, seed=self.seed)
+        self.position = TrainPosition(sampler, self.batch_size, self.index_log if rank == 0 else None)
+        if self._resume_state:  # continue at the checkpoint's global sample
+            self.position.restore(self._resume_state, self.trainer, source="the checkpoint")
             self._resume_state = None
         return self._loader("train", sampler, drop_last=True)
 
-    def state_dict(self) -> dict:
-        """Where training stands inside the epoch, saved in every checkpoint for an exact mid-epoch resume.
+    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """Check a train batch against the data order on the host (no device sync); no batch goes to the
+        device with its `index`."""
+        index = batch.pop("index")
+        if self.trainer is not None and self.trainer.training and self.position is not None:
+            self.position.received(index, self.trainer)
+        return batch
 
-        Counts the batches the loop has trained on, not what the sampler has handed out: loaders prefetch.
-        """
-        if self.trainer is None:
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the epoch and the global samples trained in it (an exact resume at any
+        data-parallel size or batch size), what fixes the data order, and the running hash of trained samples."""
+        if self.trainer is None or self.position is None:
             return {}
-        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        position = {"epoch": self.trainer.current_epoch, "consumed": batches * self.batch_size}
-        return {**position, **self._order(self.trainer.world_size)}
+        state = {**self.position.state(self.trainer), **self._order()}
+        if self._world()[1] == 0:
+            log.info(
+                f"data position: epoch {state['epoch']}, sample {state['global_consumed']:,}; "
+                + self.position.summary()
+            )
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._resume_state = state or None
 
-    def _order(self, world_size: int) -> dict:
-        """What fixes the order of training samples: resuming under other values would skip or repeat some."""
+    def teardown(self, stage: str) -> None:
+        """At the end of fit: fold the last batch into the hash, and say what was trained."""
+        if stage == "fit" and self.trainer is not None and self.position is not None:
+            self.position.settle(self.trainer)
+            if self._world()[1] == 0:
+                log.info(f"data: {self.position.summary()}")
+
+    def _order(self) -> dict:
+        """What fixes the order of training samples: resuming under other values would skip or repeat some.
+        The data-parallel size and batch size do not: the position is a global sample."""
         return {
             "seed": self.seed,
             "data.seq_len": self.seq_len,
-            "data.batch_size": self.batch_size,
             "data.packing": self.packing,
             "data.val_fraction": self.val_fraction,
-            "world size (trainer.devices x trainer.num_nodes)": world_size,
             "token cache": os.path.basename(self.data_dir),
         }
 
-    def check_resume(self, saved: dict, world_size: int, source: str) -> None:
+    def check_resume(self, saved: dict, source: str) -> None:
         """One line naming the first setting that differs from the checkpoint's (checkpoints that predate a key
-        are not checked for it)."""
-        for key, value in self._order(world_size).items():
+        are not checked for it), or a position that cannot be continued."""
+        for key, value in self._order().items():
             if key in saved and saved[key] != value:
                 what = "data (source, files or tokenizer)" if key == "token cache" else key
                 raise ConfigError(
                     f"{source} was trained with {key}={saved[key]} but this run has {value}: resuming would "
                     f"skip or repeat training samples; resume with the checkpoint's {what}"
                 )
+        saved_position(saved, source)
 
     def val_dataloader(self) -> DataLoader:
         """Sequential shards per rank; DistributedSampler pads the last one with repeats,

@@ -2,6 +2,8 @@
 
 Token arrays are usually read-only `np.memmap`s of the cache; they pickle as their
 path, not their data, so DataLoader workers (fork or spawn) each map the file.
+Every item carries its sample `index`: the data module checks each train batch against
+the data order and drops the key before the batch moves to the device.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class PackedDataset(_TokenDataset):
             raise IndexError(i)
         start = i * self.seq_len
         x = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": x[:-1], "labels": x[1:]}
+        return {"input_ids": x[:-1], "labels": x[1:], "index": torch.tensor(i)}
 
 
 class PaddedDataset(_TokenDataset):
@@ -70,45 +72,42 @@ class PaddedDataset(_TokenDataset):
         labels = x[1:].clone()
         labels[n - 1 :] = IGNORE_INDEX  # targets that are padding
         mask = (torch.arange(self.seq_len) < n).long()
-        return {"input_ids": x[:-1], "labels": labels, "attention_mask": mask}
+        return {"input_ids": x[:-1], "labels": labels, "attention_mask": mask, "index": torch.tensor(i)}
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can resume mid-epoch.
+    """The train order: each epoch a permutation of the samples seeded with seed + epoch (DistributedSampler's),
+    of which rank r of `num_replicas` reads positions r, r + world, r + 2 world, ...
 
-    Used even with one process, so that 1 process x batch 2b sees exactly what
-    2 ranks x batch b see (rank r gets perm[r::world]). `state_dict` counts samples
-    this rank has yielded in the current epoch; a loaded state skips them once.
-    Note: DataLoader workers and Lightning prefetch ahead of training, so for an exact
-    resume store the count of samples actually trained on (`{"epoch", "consumed"}`).
+    So global batch j (per-rank batch b) is positions [j*b*world, (j+1)*b*world) whatever the world size:
+    1 process x batch 2b sees what 2 ranks x batch b see, and `start_at` can continue an epoch at a global
+    position under another world size or batch size.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-    ):
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
         super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
-        self.consumed = 0  # yielded so far this epoch
-        self._skip: tuple[int, int] | None = None  # (epoch, samples) to skip once, after a load
+        self._start: tuple[int, int] | None = None  # (epoch, global position) to start from once
+        self._order: tuple[int, np.ndarray] | None = (
+            None  # the last epoch's order, kept for the position checks
+        )
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Sample index at each global position of `epoch`."""
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            self._order = (epoch, torch.randperm(len(self.dataset), generator=g).numpy())
+        return self._order[1]
+
+    def start_at(self, epoch: int, position: int) -> None:
+        """Begin the next iteration of `epoch` at global `position` (not if the loop has moved to a new epoch)."""
+        self.epoch, self._start = epoch, (epoch, position)
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        skip_epoch, skip = self._skip or (None, 0)
-        self.consumed, self._skip = (skip if skip_epoch == self.epoch else 0), None
-        for i in indices[self.consumed :]:
-            self.consumed += 1
-            yield i
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Skip `consumed` samples when `epoch` is iterated next (not if the loop has moved to a new epoch)."""
-        self.epoch, self._skip = state["epoch"], (state["epoch"], state["consumed"])
+        epoch, start = self._start or (self.epoch, 0)
+        start, self._start = (start if epoch == self.epoch else 0), None
+        order = self.order(self.epoch)
+        per_rank = max(len(order) - start, 0) // self.num_replicas
+        yield from order[start + self.rank :: self.num_replicas][:per_rank].tolist()

@@ -11,8 +11,9 @@ import json
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from parallama.errors import ConfigError
@@ -36,6 +37,7 @@ _HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # "gpt2", "meta-llama/Llama-3.2
 # matches across it (no pattern continues from a non-space into whitespace, none looks behind).
 _SAFE_SPLIT = re.compile(r"(?<=\S)[ \n]")
 CHUNK_CHARS = 64 * 1024  # long documents are processed in `chunks` of about this size
+BATCH_CHARS = 256 * 1024  # text per encode_batch call: bounds the tokenizer's Encoding objects
 
 
 class SpecialIds(NamedTuple):
@@ -141,3 +143,56 @@ def special_ids(tok: Tokenizer) -> SpecialIds:
             f"tokenizer has no token for {missing}; build it with parallama.data.tokenizer factories"
         )
     return SpecialIds(**ids)
+
+
+def _pieces(docs: Iterable[str], size: int | None) -> Iterator[tuple[str, bool, bool]]:
+    """(text, first piece of its document, last piece) for every document, cut in `chunks` of `size`."""
+    for doc in docs:
+        parts = chunks(doc, size) if size else iter((doc,))
+        part, first = next(parts), True
+        for after in parts:
+            yield part, first, False
+            part, first = after, False
+        yield part, first, True
+
+
+def encode_documents(
+    tok: Tokenizer, docs: Iterable[str], f: BinaryIO, dtype: np.dtype, progress, batch_size: int
+) -> list[int]:
+    """Write [BOT] + ids + [EOT] of every document to `f`; returns their lengths. Memory does not grow
+    with the longest document: long ones are encoded in chunks where that keeps the ids the same
+    (`splits_safely`), at most `batch_size` pieces and BATCH_CHARS of text per encode_batch, ids go out as
+    numpy arrays. `progress.update(docs, tokens)` is told after each batch."""
+    ids = special_ids(tok)
+    bot, eot = np.array([ids.bot], dtype), np.array([ids.eot], dtype)
+    size = CHUNK_CHARS if splits_safely(tok) else None
+    lengths: list[int] = []
+    doc_len = 0  # tokens so far of the document in progress (it may span batches)
+    batch: list[tuple[str, bool, bool]] = []
+    chars = 0
+
+    def flush() -> None:
+        nonlocal doc_len
+        arrays, n_tokens, n_docs = [], 0, 0
+        for (_, first, last), enc in zip(
+            batch, tok.encode_batch([text for text, _, _ in batch], add_special_tokens=False), strict=True
+        ):
+            arrays += [bot] * first + [encoded := np.array(enc.ids, dtype)] + [eot] * last
+            n = len(encoded) + first + last
+            doc_len, n_tokens = doc_len + n, n_tokens + n
+            if last:
+                lengths.append(doc_len)
+                doc_len, n_docs = 0, n_docs + 1
+        f.write(np.concatenate(arrays).tobytes())
+        progress.update(n_docs, n_tokens)
+        batch.clear()
+
+    for piece in _pieces(docs, size):
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) >= batch_size or chars >= BATCH_CHARS:
+            flush()
+            chars = 0
+    if batch:
+        flush()
+    return lengths

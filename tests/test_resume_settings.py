@@ -50,36 +50,6 @@ def finished(tmp_path_factory, data_cache):
     return tmp / "run"
 
 
-def test_resume_at_another_world_size_trains_the_same_samples(finished, tmp_path, data_cache):
-    """2 ranks x batch 2 for 3 steps, then 1 process x batch 4 to step 6: the same global batches as the
-    uninterrupted 1 x 4 run, by index log and by running hash, each sample once."""
-    log = tmp_path / "indices.jsonl"
-    ddp = ["strategy=ddp", "trainer.devices=2", "data.batch_size=2", "trainer.max_steps=3"]
-    train(*CONSTANT_LR, *ddp, f"data.index_log={log}", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "a")
-    proc = train(
-        *CONSTANT_LR,
-        "trainer.devices=1",
-        "data.batch_size=4",
-        "trainer.max_steps=6",
-        f"data.index_log={log}",
-        f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
-        cwd=tmp_path,
-        cache=data_cache,
-        run_dir=tmp_path / "b",
-    )
-    assert "samples per optimizer step" not in proc.stdout + proc.stderr  # same global batch: no warning
-    resumed, straight = trained(log), trained(finished / "indices.jsonl")
-    assert resumed == straight and len(resumed) == 6
-    samples = [i for _, batch in resumed for i in batch]
-    assert len(set(samples)) == len(samples) == 24
-    state, expected = (
-        data_state(tmp_path / "b" / "checkpoints" / "last.ckpt"),
-        data_state(finished / "checkpoints" / "last.ckpt"),
-    )
-    assert state["trained_hash"] == expected["trained_hash"] and state["trained_samples"] == 24
-    assert state["global_consumed"] == expected["global_consumed"] == 24
-
-
 def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data_cache):
     """The end-of-run checkpoint is taken at the last step, so a higher max_steps continues the same epoch."""
     train(*CONSTANT_LR, "trainer.max_steps=12", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "straight")

@@ -238,9 +238,11 @@ class TextDataModule(LightningDataModule):
             )
 
     def _world(self) -> tuple[int, int]:
-        """The data-parallel size and this process's rank in it: every use (sampler, position, checks) reads
-        them here, so that another parallelism layout only has to change this method."""
-        return (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        """The data-parallel size and this process's rank in it, from the strategy's device mesh (tensor-parallel
+        ranks share their data): every use (sampler, position, checks) reads them here."""
+        from parallama.parallel import data_parallel
+
+        return data_parallel(self.trainer)
 
     def _loader(self, split: str, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
         return DataLoader(

@@ -90,6 +90,7 @@ def test_offline_read_equals_the_running_engine(zero2_two_ranks):
         assert "hyper_parameters" in client and not set(DEEPSPEED_KEYS) & set(client)
 
 
+@pytest.mark.slow  # the same loads as test_universal_resume's ds2/ds3 cases, checked step by step (~50 s)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_one_rank_continues_the_two_rank_run(stage, zero2_two_ranks, tmp_path, data_cache):
     """1 rank (micro-batch 8 = the same global batch) trains 3 steps with other betas and weight decay, then

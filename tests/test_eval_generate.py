@@ -8,6 +8,7 @@ import subprocess
 import pytest
 from test_export import BIN, trained_run
 
+from parallama.convert import main as convert_main
 from parallama.evaluate import main as eval_main
 from parallama.export import main as export_main
 from parallama.generate import generate_text
@@ -109,7 +110,8 @@ def test_cli_errors(ckpt, main, argv, needle, capsys):
         (export_main, ["parallama-export ckpt_path=<checkpoint> out_dir=<folder>", "out_dir=null"]),
         (eval_main, ["parallama-eval ckpt_path=<checkpoint>", "ckpt_path: ???", "max_batches: null"]),
         (generate_main, ["parallama-generate (ckpt_path=<checkpoint>", "temperature=0.8", "prompt='The '"]),
-        (plan_main, ["parallama-plan [gpu_memory_gb=80]", "<parallama-train overrides>"]),
+        (plan_main, ["parallama-plan [--config-dir DIR] [gpu_memory_gb=80]", "<parallama-train overrides>"]),
+        (convert_main, ["parallama-ckpt convert src=<checkpoint> out=<path>", "format='file'"]),
     ],
 )
 @pytest.mark.parametrize("flag", ["--help", "-h"])

@@ -12,8 +12,10 @@ import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from parallama.errors import ConfigError
 

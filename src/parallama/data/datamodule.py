@@ -268,8 +268,15 @@ class TextDataModule(LightningDataModule):
         """Check a train batch against the data order on the host (no device sync); no batch goes to the
         device with its `index`."""
         index = batch.pop("index")
-        if self.trainer is not None and self.trainer.training and self.position is not None:
-            self.position.received(index, self.trainer)
+        trainer = self.trainer
+        # overfit_batches: Lightning swaps in a sequential sampler, so the data order does not apply.
+        if (
+            trainer is not None
+            and trainer.training
+            and self.position is not None
+            and not trainer.overfit_batches
+        ):
+            self.position.received(index, trainer)
         return batch
 
     def state_dict(self) -> dict:

@@ -51,8 +51,11 @@ def run_cli(
         timeout=timeout,
     )
     if check and proc.returncode != 0:
+        output = proc.stdout + proc.stderr
+        errors = [line for line in output.splitlines() if "error" in line.lower()][-5:]  # first: CI logs get cut
         raise AssertionError(
-            f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"{module} exited {proc.returncode}; error lines: {errors}\nargs: {' '.join(args)}\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
 

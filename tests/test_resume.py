@@ -66,10 +66,12 @@ def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
 
     run = tmp_path / "killed"
     proc = start_training(tmp_path, data_cache, run)
-    killed_at = wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=6)
+    wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=6)
+    proc.send_signal(signal.SIGSTOP)  # frozen: the step read below is the one the kill leaves behind
+    killed_at = checkpoint_step(run / "checkpoints" / "last.ckpt")
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert 6 <= killed_at < 40
+    assert 6 <= killed_at < 40, f"killed at step {killed_at}: the poll fell behind the run"
 
     train(*LONG, "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)  # finds this run's last.ckpt
     final = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

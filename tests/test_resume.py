@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import TINY, run_cli, train
 
@@ -98,11 +99,17 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, dat
     assert "Traceback" not in out
 
 
-def test_truncated_checkpoint_names_the_file(tmp_path, data_cache):
-    run = tmp_path / "run"
-    train(cwd=tmp_path, cache=data_cache, run_dir=run)
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_cache):
+    """One finished TINY run, read (never written) by the tests below."""
+    tmp = tmp_path_factory.mktemp("finished")
+    train(cwd=tmp, cache=data_cache, run_dir=tmp / "run")
+    return tmp / "run"
+
+
+def test_truncated_checkpoint_names_the_file(finished, tmp_path):
     broken = tmp_path / "broken.ckpt"
-    data = (run / "checkpoints" / "last.ckpt").read_bytes()
+    data = (finished / "checkpoints" / "last.ckpt").read_bytes()
     broken.write_bytes(data[: len(data) // 2])
     proc = run_cli(
         "parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False
@@ -110,12 +117,10 @@ def test_truncated_checkpoint_names_the_file(tmp_path, data_cache):
     assert proc.returncode == 2 and f"{broken}" in proc.stderr and "truncated or corrupt" in proc.stderr
 
 
-def test_resuming_a_checkpoint_of_another_model_shape_is_refused(tmp_path, data_cache):
-    run = tmp_path / "run"
-    train(cwd=tmp_path, cache=data_cache, run_dir=run)
+def test_resuming_a_checkpoint_of_another_model_shape_is_refused(finished, tmp_path, data_cache):
     proc = train(
         "model.hidden_size=128",
-        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
         cwd=tmp_path,
         cache=data_cache,
         check=False,

@@ -1,16 +1,22 @@
 """The universal checkpoint: a run started under strategy A at world size m continues under B at n exactly.
 
-Each case trains 6 steps under A at m, resumes under B at n to step 12, and is compared with 12 uninterrupted
-steps at n (weights and AdamW moments to 1e-5, the same global samples by index log and running hash). The
-global batch stays 4 (2 ranks x 2, or 1 x 4), the LR is constant (a run's schedule then does not depend on
-its length) and low enough that fp32 reduction-order noise stays below 1e-5 (at 3e-3 Adam amplifies it to
-~1.6e-5 between two uninterrupted runs at 1 and 2 ranks).
+One chain of cross-strategy resumes, 2 optimizer steps per link, each link a different strategy and world size:
 
-Covering subset of the 5 x 5 strategies x {(2,1), (1,2)}: every checkpoint reader (a Lightning file from ddp
-and from ddp_sharded, DeepSpeed ZeRO-2 and ZeRO-3 folders, FSDP's DCP folder) is a source once, every loader
-(plain module, ZeroRedundancyOptimizer, DeepSpeed stage 2 and 3, FSDP2) a destination once, and both
-directions of the world size change occur. Same-strategy resumes (Lightning's native path) are covered by
-test_strategies.py and test_resume.py.
+    ddp@2 -> deepspeed ZeRO-3@1 -> fsdp@2 -> ddp_sharded@1 -> deepspeed ZeRO-2@2 -> ddp@1   (steps 2, 4, ..., 12)
+
+Every link's end is compared with an uninterrupted ddp run at the link's world size at the same step (weights and
+AdamW moments to 1e-5, step and token counters, the running hash of trained samples), and the chain's index logs
+together must be the reference's samples in the same order, each once. The global batch stays 4 (2 ranks x 2 or
+1 x 4); the LR is constant (a run's schedule then does not depend on its length) and low enough that fp32
+reduction-order noise stays below 1e-5 (at 3e-3 Adam amplifies it to ~1.6e-5 between two uninterrupted runs at 1
+and 2 ranks).
+
+Covering subset of the 5 x 5 strategies x {(2,1), (1,2)}: every checkpoint reader (a Lightning file from ddp and
+from ddp_sharded, DeepSpeed ZeRO-2 and ZeRO-3 folders, FSDP's DCP folder) is a source once, every loader (plain
+module, ZeroRedundancyOptimizer, DeepSpeed stage 2 and 3, FSDP2) a destination once, and the world size changes in
+both directions. A chain (one run per link) instead of separate 6 + 6 step pairs halves the runs; a broken link
+still fails on its own step. Same-strategy resumes (Lightning's native path) are covered by test_strategies.py and
+test_resume.py.
 """
 
 from __future__ import annotations
@@ -32,8 +38,14 @@ STRATEGY = {
     "ds3": ["strategy=deepspeed", "strategy.stage=3"],
     "fsdp": ["strategy=fsdp"],
 }
-CASES = [("ddp", 2, "ds3", 1), ("ds2", 2, "fsdp", 1), ("fsdp", 2, "ddp_sharded", 1), ("ds3", 1, "ddp", 2)]
-CASES += [("ddp_sharded", 1, "ds2", 2)]
+CHAIN = [("ddp", 2), ("ds3", 1), ("fsdp", 2), ("ddp_sharded", 1), ("ds2", 2), ("ddp", 1)]
+LINK_STEPS = 2
+LINKS = [(i, *CHAIN[i - 1], *CHAIN[i]) for i in range(1, len(CHAIN))]  # (link, a, m, b, n)
+STEP_CHECKPOINTS = [  # the references keep a checkpoint every LINK_STEPS steps
+    "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.save_top_k=-1",
+    f"+callbacks.model_checkpoint.every_n_train_steps={LINK_STEPS}",
+]
 TOLERANCE = 1e-5
 
 
@@ -49,24 +61,24 @@ def _run(name: str, strategy: str, world: int, steps: int, tmp, cache, *extra: s
     return train(*args, cwd=tmp, cache=cache, run_dir=tmp / name)
 
 
+def _name(link: int) -> str:
+    strategy, world = CHAIN[link]
+    return f"{link}-{strategy}{world}"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> dict:
-    """Every case's halves and the uninterrupted reference at each world size (ddp), once for all tests."""
+    """The chain and the uninterrupted references at each world size (ddp), once for all tests."""
     tmp = tmp_path_factory.mktemp("universal")
     out = {"dir": tmp, "log": {}}
+    steps = LINK_STEPS * len(CHAIN)
     for world in (1, 2):
-        _run(f"ref{world}", "ddp", world, 12, tmp, data_cache)
-    for a, m, b, n in CASES:
-        first, second = f"{a}{m}", f"{a}{m}_{b}{n}"
-        _run(first, a, m, 6, tmp, data_cache)
-        ckpt = tmp / first / "checkpoints" / "last.ckpt"
-        proc = _run(second, b, n, 12, tmp, data_cache, f"ckpt_path={ckpt}")
-        out["log"][second] = proc.stdout + proc.stderr
+        _run(f"ref{world}", "ddp", world, steps, tmp, data_cache, *STEP_CHECKPOINTS)
+    for link, (strategy, world) in enumerate(CHAIN):
+        resume = [f"ckpt_path={tmp / _name(link - 1) / 'checkpoints' / 'last.ckpt'}"] if link else []
+        proc = _run(_name(link), strategy, world, LINK_STEPS * (link + 1), tmp, data_cache, *resume)
+        out["log"][link] = proc.stdout + proc.stderr
     return out
-
-
-def _state(run_dir) -> universal.UniversalState:
-    return universal.read(run_dir / "checkpoints" / "last.ckpt")
 
 
 def _indices(path) -> list[int]:
@@ -74,12 +86,13 @@ def _indices(path) -> list[int]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("a,m,b,n", CASES, ids=[f"{a}{m}-{b}{n}" for a, m, b, n in CASES])
-def test_a_run_continues_under_another_strategy_and_world_size(runs, a, m, b, n):
-    tmp, second = runs["dir"], f"{a}{m}_{b}{n}"
-    assert f"resuming a {STRATEGY[a][0].split('=')[1]} checkpoint (world size {m})" in runs["log"][second]
-    got, want = _state(tmp / second), _state(tmp / f"ref{n}")
-    assert got.client["global_step"] == want.client["global_step"] == 12
+@pytest.mark.parametrize("link,a,m,b,n", LINKS, ids=[f"{a}{m}-{b}{n}" for _, a, m, b, n in LINKS])
+def test_a_run_continues_under_another_strategy_and_world_size(runs, link, a, m, b, n):
+    tmp, step = runs["dir"], LINK_STEPS * (link + 1)
+    assert f"resuming a {STRATEGY[a][0].split('=')[1]} checkpoint (world size {m})" in runs["log"][link]
+    got = universal.read(tmp / _name(link) / "checkpoints" / "last.ckpt")
+    want = universal.read(tmp / f"ref{n}" / "checkpoints" / f"step{step:07d}.ckpt")
+    assert got.client["global_step"] == want.client["global_step"] == step
     assert got.client["tokens_seen"] == want.client["tokens_seen"]
     for name, tensor in want.model.items():
         torch.testing.assert_close(got.model[name].float(), tensor.float(), atol=TOLERANCE, rtol=0)
@@ -89,22 +102,22 @@ def test_a_run_continues_under_another_strategy_and_world_size(runs, a, m, b, n)
             torch.testing.assert_close(
                 got.optimizer["state"][name][key], moments[key], atol=TOLERANCE, rtol=0
             )
-        assert float(got.optimizer["state"][name]["step"]) == float(moments["step"]) == 12
+        assert float(got.optimizer["state"][name]["step"]) == float(moments["step"]) == step
 
     # The data position: the same global samples in the same order, each once, and the same running hash.
-    trained = _indices(tmp / f"{a}{m}.jsonl") + _indices(tmp / f"{second}.jsonl")
-    assert trained == _indices(tmp / f"ref{n}.jsonl")
-    assert len(set(trained)) == len(trained) == 12 * 4
+    trained = [i for k in range(link + 1) for i in _indices(tmp / f"{_name(k)}.jsonl")]
+    assert trained == _indices(tmp / f"ref{n}.jsonl")[: len(trained)]
+    assert len(set(trained)) == len(trained) == step * 4
     position = got.client["TextDataModule"]
     assert position["trained_hash"] == want.client["TextDataModule"]["trained_hash"]
-    assert position["trained_samples"] == 48
-    assert "samples per optimizer step" not in runs["log"][second]  # the global batch stayed 4: no warning
+    assert position["trained_samples"] == step * 4
+    assert "samples per optimizer step" not in runs["log"][link]  # the global batch stayed 4: no warning
 
 
 @pytest.mark.multiprocess
 def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_state(runs, tmp_path):
     """parallama-ckpt convert, offline: a DeepSpeed ZeRO-3 folder to a file, and that file to a DCP folder."""
-    source = runs["dir"] / "ds31" / "checkpoints" / "last.ckpt"
+    source = runs["dir"] / _name(1) / "checkpoints" / "last.ckpt"  # ds3@1 at step 4
     run_cli("parallama.convert", f"src={source}", f"out={tmp_path / 'one.ckpt'}", "format=file", cwd=tmp_path)
     run_cli(
         "parallama.convert",
@@ -122,7 +135,7 @@ def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_s
             assert all(
                 torch.equal(after.optimizer["state"][name][k], moments[k]) for k in ("exp_avg", "exp_avg_sq")
             )
-        assert after.client["global_step"] == 6
+        assert after.client["global_step"] == 2 * LINK_STEPS
     refused = run_cli(
         "parallama.convert", f"src={source}", f"out={tmp_path / 'one.ckpt'}", cwd=tmp_path, check=False
     )

@@ -5,8 +5,8 @@
    device's dense bf16 peak (Lightning's table). Timed: a plain training loop on random tokens, so that the
    figures are the model's; `python -m bench overhead` measures what the Lightning path adds.
 2. Ablation on llama_180m: each row changes one thing from the baseline.
-3. Peak `torch.cuda.max_memory_allocated` of `parallama-train` per strategy on 1 device, next to
-   `parallama.plan.estimate` where that exists.
+3. Peak `torch.cuda.max_memory_allocated` of `parallama-train` on 1 device for every memory profile the strategy
+   classes declare (the configurations `parallama-plan` weighs), next to `parallama.plan.estimate` for it.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ ABLATIONS = {
     "batch x2": {"batch": 2},
 }
 PEAKS = {"h100": 989e12, "h200": 989e12}  # dense bf16, for names Lightning's table misses
-STRATEGIES = ("auto", "ddp", "ddp_sharded", "fsdp", "deepspeed")
-PLAN_NAMES = {
-    "auto": "ddp",
-    "ddp": "ddp",
-    "ddp_sharded": "ddp_sharded",
-    "fsdp": "fsdp",
-    "deepspeed": "deepspeed_2",
-}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -128,12 +120,19 @@ class PeakMemory(L.Callback):
             Path(self.path).write_text(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated()}))
 
 
-def strategy_peak(name: str, args) -> int | None:
-    """Peak bytes of llama_180m under `strategy=name` on 1 GPU; None where the run failed."""
+def strategy_profiles() -> dict[str, list[str]]:
+    """name -> parallama-train overrides: every declared memory profile, as parallama-plan lists them."""
+    from parallama.plan import profiles
+
+    return {name: p.overrides.split() for name, p in profiles().items()}
+
+
+def strategy_peak(name: str, overrides: list[str], args) -> int | None:
+    """Peak bytes of llama_180m under a strategy profile's overrides on 1 GPU; None where the run failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peak.json"
         command = [
-            sys.executable, "-m", "parallama.train", f"strategy={name}", "trainer.devices=1", "model=llama_180m",
+            sys.executable, "-m", "parallama.train", *overrides, "trainer.devices=1", "model=llama_180m",
             "data.seq_len=512", f"data.batch_size={PRESETS['llama_180m'][1]}", "trainer.max_steps=10",
             "scheduler.warmup_steps=2", "trainer.limit_val_batches=0", "validate_before_training=false",
             "sample.max_new_tokens=0", "callbacks=none", "logger=none", "+trainer.enable_checkpointing=false",
@@ -154,12 +153,9 @@ def strategy_peak(name: str, args) -> int | None:
 
 
 def plan_estimates(cfg: dict, seq_len: int, batch: int) -> dict[str, int]:
-    """`parallama.plan.estimate` totals (bytes) for our strategies, in the runs' bf16-mixed; {} without it."""
-    try:
-        from parallama.plan import estimate
-    except ImportError:
-        return {}
+    """`parallama.plan.estimate` totals (bytes) of every profile, in the runs' bf16-mixed."""
     from parallama.model import LlamaConfig
+    from parallama.plan import estimate
 
     plans = estimate(
         LlamaConfig(**cfg),
@@ -169,7 +165,7 @@ def plan_estimates(cfg: dict, seq_len: int, batch: int) -> dict[str, int]:
         precision="bf16-mixed",
         activation_checkpointing=False,
     )
-    return {ours: plans[theirs].total for ours, theirs in PLAN_NAMES.items() if theirs in plans}
+    return {name: plan.total for name, plan in plans.items()}
 
 
 def _gib(n: float | None) -> str:
@@ -224,12 +220,16 @@ def run(args) -> dict:
     for label, variant in ABLATIONS.items():
         results["ablation"][label] = row(label, preset("llama_180m", 0), seq_len, batch, variant)
     print(f"\npeak memory of parallama-train, llama_180m seq {seq_len} batch {batch}, 1 device")
-    print(f"{'strategy':<14} {'measured GiB':>12} {'plan GiB':>9}")
+    print(f"{'profile':<20} {'measured GiB':>12} {'plan GiB':>9}  overrides")
     plans = plan_estimates(preset("llama_180m", 0), seq_len, batch)
-    for name in STRATEGIES:
-        measured, estimated = strategy_peak(name, args), plans.get(name)
-        results["strategies"][name] = {"peak_bytes": measured, "plan_estimate_bytes": estimated}
-        print(f"{name:<14} {_gib(measured):>12} {_gib(estimated):>9}")
+    for name, overrides in strategy_profiles().items():
+        measured, estimated = strategy_peak(name, overrides, args), plans.get(name)
+        results["strategies"][name] = {
+            "overrides": overrides,
+            "peak_bytes": measured,
+            "plan_estimate_bytes": estimated,
+        }
+        print(f"{name:<20} {_gib(measured):>12} {_gib(estimated):>9}  {' '.join(overrides)}")
     save(args.out, "gpu", info, results)
     return results
 

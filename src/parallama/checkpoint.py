@@ -231,6 +231,8 @@ def _load_file(path: str) -> tuple[dict, dict]:
 
 
 def _load_deepspeed(path: str) -> tuple[dict, dict]:
+    """fp32 weights merged from the ZeRO partitions by DeepSpeed's own zero_to_fp32 (no moments, unlike
+    `parallel.zero_state`, which resuming needs)."""
     tag = Path(path, "latest").read_text().strip()
     names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
     files = [f for name in names if (f := Path(path, tag, name)).is_file()]
@@ -252,7 +254,8 @@ def _load_deepspeed(path: str) -> tuple[dict, dict]:
 
 
 def _load_dcp(path: str) -> tuple[dict, dict]:
-    """Read only the model's tensors (not the optimizer's), in one process, without a process group."""
+    """Read only the model's tensors, in one process, without a process group: export, eval and generate need a
+    third of what `parallel.universal.read` (weights + AdamW moments, for resuming) holds in memory."""
     import torch.distributed.checkpoint as dcp
 
     metadata = _verify_dcp(path)

@@ -52,7 +52,9 @@ def run_cli(
     )
     if check and proc.returncode != 0:
         output = proc.stdout + proc.stderr
-        errors = [line for line in output.splitlines() if "error" in line.lower()][-5:]  # first: CI logs get cut
+        errors = [line for line in output.splitlines() if "error" in line.lower()][
+            -5:
+        ]  # first: CI logs get cut
         raise AssertionError(
             f"{module} exited {proc.returncode}; error lines: {errors}\nargs: {' '.join(args)}\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -262,7 +262,7 @@ def test_experiments(tmp_path: Path, data_cache) -> None:
         "data/source=embedded",
         "trainer.accelerator=cpu",
         "trainer.precision=32-true",
-        "model.hidden_size=128",
+        "model.hidden_size=192",  # divisible by article_180m's 12 heads
         "model.intermediate_size=384",
         "model.num_hidden_layers=2",
     ] + overrides

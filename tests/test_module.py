@@ -42,6 +42,7 @@ def tiny_module(**overrides) -> LlamaLM:
 class _FakeTrainer:
     estimated_stepping_batches = 20
     strategy = None
+    fast_dev_run = 0
 
 
 def test_decay_groups_and_schedule_wiring(monkeypatch):
@@ -69,6 +70,10 @@ def test_warmup_longer_than_training_is_rejected(monkeypatch):
     monkeypatch.setattr(LlamaLM, "trainer", property(lambda self: trainer))
     with pytest.raises(ConfigError, match="scheduler.warmup_steps=2"):
         module.configure_optimizers()
+
+    trainer.fast_dev_run = 1  # a smoke test of a preset: its one step takes the auto warmup
+    trainer.estimated_stepping_batches = 1
+    module.configure_optimizers()
 
 
 def test_activation_checkpointing_keeps_gradients_and_names():

@@ -167,7 +167,9 @@ class LlamaLM(L.LightningModule):
 
         sched = self.hparams.scheduler
         total = int(self.trainer.estimated_stepping_batches)
-        warmup = resolve_warmup(sched["warmup_steps"], total)
+        # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
+        # few steps say nothing about the schedule, so they take `auto` instead of refusing the preset's warmup.
+        warmup = resolve_warmup("auto" if self.trainer.fast_dev_run else sched["warmup_steps"], total)
         lr_lambda = partial(
             warmup_cosine,
             warmup_steps=warmup,

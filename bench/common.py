@@ -70,7 +70,14 @@ def preset(name: str, vocab_size: int) -> dict:
 
 
 def datamodule(
-    cache_dir, seq_len, batch_size, num_workers=0, packing=True, corpus="prose", max_documents=None
+    cache_dir,
+    seq_len,
+    batch_size,
+    num_workers=0,
+    packing=True,
+    corpus="prose",
+    max_documents=None,
+    document_mask=False,
 ):
     """parallama's data path on an embedded corpus with the byte tokenizer (offline; the cache is built once)."""
     from parallama.data import TextDataModule, byte_level, embedded
@@ -81,6 +88,7 @@ def datamodule(
         seq_len=seq_len,
         batch_size=batch_size,
         packing=packing,
+        document_mask=document_mask,
         num_workers=num_workers,
         cache_dir=cache_dir,
     )

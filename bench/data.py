@@ -4,6 +4,8 @@ Tokenizers encode the corpus with `encode_batch` (batched, as the cache builder 
 `TextDataModule.train_dataloader()` reading the token memmap cache, packed and padded, with 0 and 2 workers.
 Headroom = loader tokens/s / tokens/s the 180M model consumes at 45% MFU on one H100 (bf16 dense peak
 989 TFLOP/s) at seq_len 512. Each figure is the median of `--repeats` timed passes after untimed warmup.
+Document masking (`data.document_mask`): the packed loader with it off and on, alternating round by round, and
+the tiny model's CPU forward+backward with SDPA's is_causal vs SDPA with the block-diagonal mask.
 """
 
 from __future__ import annotations
@@ -103,8 +105,104 @@ def run(args) -> dict:
     worst = min(results["loader_tokens_per_s"].values()) / goal
     met = "met" if worst >= GOAL_HEADROOM else "NOT met"
     print(f"\nworst headroom {worst:.1f}x: goal >= {GOAL_HEADROOM:g}x {met} on this CPU")
+    results["document_mask"] = document_mask_costs(args, goal)
     save(args.out, "data", info, results)
     return results
+
+
+def _timed_pass(batches, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in islice(batches, n):
+        pass
+    return time.perf_counter() - t0
+
+
+def _packed(args, workers: int, document_mask: bool):
+    return datamodule(
+        args.cache_dir,
+        args.seq_len,
+        args.batch,
+        workers,
+        corpus=args.corpus,
+        max_documents=args.max_documents,
+        document_mask=document_mask,
+    )
+
+
+def document_mask_costs(args, goal: float) -> dict:
+    """The packed loader with `document_mask` off and on (positions and document ids computed per item), and
+    what the mask costs the model on CPU. The arms alternate round by round; ratios are medians of rounds."""
+    print(f"\ndocument masking: packed loader, batch {args.batch} x seq_len {args.seq_len}")
+    print(
+        f"{'loader':<28} {'off tokens/s':>13} {'on tokens/s':>13} {'on/off':>7} {'headroom on':>12}  (rounds)"
+    )
+    tokens = args.batches * args.batch * args.seq_len
+    loaders = {}
+    for workers in (0, 2):
+        arms = {mask: _batches(_packed(args, workers, mask).train_dataloader()) for mask in (False, True)}
+        for batches in arms.values():
+            _timed_pass(batches, args.warmup_batches)
+        times = {False: [], True: []}
+        for _ in range(args.repeats):
+            for mask, batches in arms.items():
+                times[mask].append(_timed_pass(batches, args.batches))
+        for batches in arms.values():
+            batches.close()
+        off, on = (tokens / median(times[m]) for m in (False, True))
+        rounds = [t_off / t_on for t_off, t_on in zip(times[False], times[True])]
+        name = f"packed, num_workers={workers}"
+        loaders[name] = {"off": off, "on": on, "on_over_off": median(rounds), "rounds": rounds}
+        loaders[name]["headroom_on"] = on / goal
+        per_round = ", ".join(f"{r:.2f}" for r in rounds)
+        print(
+            f"{name:<28} {off:>13,.0f} {on:>13,.0f} {median(rounds):>7.3f} {on / goal:>11.1f}x  ({per_round})"
+        )
+    return {"loader_tokens_per_s": loaders, "model_cpu": mask_model_cost(args)}
+
+
+def mask_model_cost(args) -> dict:
+    """Steps/s of the `tiny` preset's forward+backward on CPU on one packed batch: SDPA is_causal (no document
+    ids) vs SDPA with the (B, 1, T, T) block-diagonal mask and restarting positions."""
+    import torch
+
+    from parallama.model import Llama, LlamaConfig
+
+    dm = _packed(args, workers=0, document_mask=True)
+    batch = next(iter(dm.train_dataloader()))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**preset("tiny", dm.vocab_size)))
+    arms = {
+        "is_causal": {},
+        "document mask": {k: batch[k] for k in ("position_ids", "document_ids")},
+    }
+
+    def steps(kwargs: dict, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model(batch["input_ids"], **kwargs).float().logsumexp(-1).mean().backward()
+            model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for kwargs in arms.values():
+        steps(kwargs, 1)  # warmup
+    times = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, kwargs in arms.items():
+            times[name].append(steps(kwargs, args.model_steps))
+    rates = {name: args.model_steps / median(t) for name, t in times.items()}
+    rounds = [a / b for a, b in zip(times["is_causal"], times["document mask"])]
+    docs = (batch["document_ids"][:, -1] + 1).tolist()
+    print(
+        f"model (tiny, CPU, forward+backward, {args.batch} x {args.seq_len}, documents per row {docs}): "
+        f"is_causal {rates['is_causal']:.2f} steps/s, document mask {rates['document mask']:.2f} steps/s, "
+        f"mask/is_causal {median(rounds):.3f} (rounds {', '.join(f'{r:.2f}' for r in rounds)})"
+    )
+    return {
+        "steps_per_s": rates,
+        "mask_over_is_causal": median(rounds),
+        "rounds": rounds,
+        "documents_per_row": docs,
+    }
 
 
 def add_arguments(p) -> None:
@@ -118,3 +216,6 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", type=int, default=200, help="batches per timed pass")
     p.add_argument("--warmup-batches", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--model-steps", type=int, default=5, help="forward+backward steps per timed pass (mask cost)"
+    )

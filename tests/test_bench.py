@@ -41,11 +41,16 @@ def test_overhead(capsys, tmp_path, cache):
 def test_data(capsys, tmp_path, cache):
     tiny = ["--corpus", "prose", "--max-documents", "12", "--bpe-vocab", "300", "--seq-len", "32"]
     tiny += ["--batch", "2", "--batches", "3", "--warmup-batches", "1", "--repeats", "1"]
+    tiny += ["--model-steps", "1"]
     text, result = run(capsys, tmp_path, cache, "data", *tiny)
     assert set(result["tokenizer_tokens_per_s"]) == {"byte_level", "bpe_300"}
     assert len(result["loader_tokens_per_s"]) == 4 and min(result["loader_tokens_per_s"].values()) > 0
     assert 4e5 < result["goal"]["tokens_per_s"] < 6e5  # llama_180m at 45% of 989 TFLOP/s
     assert "worst headroom" in text
+    masked = result["document_mask"]
+    assert len(masked["loader_tokens_per_s"]) == 2
+    assert all(r["on"] > 0 for r in masked["loader_tokens_per_s"].values())
+    assert masked["model_cpu"]["mask_over_is_causal"] > 0
 
 
 @pytest.mark.multiprocess

@@ -221,6 +221,7 @@ _RULES = {  # checked when the key exists (strategy keys only for the strategies
     "data.seq_len": Rule(int, 1),
     "data.batch_size": Rule(int, 1),
     "data.packing": Rule(bool),
+    "data.document_mask": Rule(bool),
     "data.val_fraction": Rule(float, 0, 1, open="high"),
     "data.num_workers": Rule(int, 0),
     "data.index_log": Rule(str, allow=(None,)),

@@ -103,8 +103,8 @@ def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         for i, batch in enumerate(loader):
             if cfg.max_batches is not None and i >= cfg.max_batches:
                 break
-            mask = batch.get("attention_mask")
-            logits = model(batch["input_ids"].to(device), None if mask is None else mask.to(device))
+            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "index")}
+            logits = model(**inputs)  # input_ids, and attention_mask or position_ids + document_ids
             labels = batch["labels"].to(device)
             total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
             count += int((labels != -100).sum())

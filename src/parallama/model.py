@@ -13,8 +13,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Devices on which document masks run as compiled FlexAttention (a fused kernel that skips the blocks the mask
+# rules out); elsewhere SDPA gets a dense boolean (B, 1, T, T) mask.
+FLEX_ATTENTION_DEVICES = {"cuda"}
 
 
 @dataclass
@@ -172,7 +176,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
-        """``attn_mask=None`` means plain causal attention (SDPA's fast path)."""
+        """``attn_mask=None`` means plain causal attention (SDPA's fast path); a ``BlockMask`` runs FlexAttention."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -180,8 +184,13 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(input_pos, k, v)
-        # enable_gqa: SDPA shares each K/V head among its query heads without materializing copies.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=attn_mask is None, enable_gqa=True)
+        # enable_gqa: each K/V head serves its group of query heads without materialized copies.
+        if isinstance(attn_mask, BlockMask):
+            y = _compiled_flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -222,6 +231,31 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return mask | torch.eye(T, dtype=torch.bool, device=device)
 
 
+_compiled_flex_attention = (
+    None  # made by the first flex document_mask: importing torch's compiler takes seconds
+)
+
+
+def document_mask(document_ids: Tensor, flex: bool) -> Tensor | BlockMask:
+    """(B, T) document index of every token -> "causal and same document": a FlexAttention ``BlockMask`` if
+    ``flex``, else a (B, 1, T, T) bool mask for SDPA. The diagonal is always allowed, so no row is empty.
+
+    Attention runs a ``BlockMask`` through compiled flex_attention (eager, it would materialize the whole
+    score matrix), compiled here, outside any compiled block, once per process."""
+    global _compiled_flex_attention
+    B, T = document_ids.shape
+    if flex:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+        def same_document_causal(b, h, q, kv):
+            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -260,31 +294,56 @@ class Llama(nn.Module):
         shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
         return [KVCache(shape, device or self.embed_tokens.weight.device, dtype) for _ in self.layers]
 
-    def forward(self, input_ids, attention_mask=None, *, input_pos=None, kv_cache=None) -> Tensor:
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        *,
+        position_ids=None,
+        document_ids=None,
+        input_pos=None,
+        kv_cache=None,
+    ) -> Tensor:
         """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T).
 
         - No mask: causal attention over the whole row (packed batches, fastest path).
         - ``attention_mask`` (B, T), 1 = token, 0 = padding: positions are still 0..T-1, so
           padding is assumed to be on the right (the usual training layout).
+        - ``document_ids`` (B, T), the document each token belongs to (packed batches): a token attends
+          to earlier tokens of its own document only, through compiled FlexAttention on the devices in
+          ``FLEX_ATTENTION_DEVICES`` (CUDA), SDPA with a block-diagonal mask elsewhere. Pass the
+          ``position_ids`` (B, T) that restart at 0 with every document too, and each document's logits are
+          those of the document alone (the data module's ``document_mask=true`` gives both).
         - ``kv_cache`` (from ``new_kv_cache``) needs ``input_pos``, the 1D positions of the given
           tokens: their keys/values go to those cache slots and a query at position p attends to
           slots <= p. This serves a multi-token prefill as well as single-token decode steps.
         """
         T, device = input_ids.shape[1], input_ids.device
         if kv_cache is not None:
-            if input_pos is None or attention_mask is not None:
-                raise ValueError("kv_cache needs input_pos and does not support attention_mask")
+            if input_pos is None or any(x is not None for x in (attention_mask, position_ids, document_ids)):
+                raise ValueError(
+                    "kv_cache needs input_pos and takes no attention_mask, position_ids or document_ids"
+                )
             slots = torch.arange(kv_cache[0].max_len, device=device)
             mask = slots <= input_pos[:, None]  # (T, max_len), broadcast over batch and heads
         elif T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} > model.max_position_embeddings")
+        elif document_ids is not None:
+            if attention_mask is not None:
+                raise ValueError(
+                    "document_ids and attention_mask exclude each other (packed vs padded samples)"
+                )
+            mask = document_mask(document_ids, flex=device.type in FLEX_ATTENTION_DEVICES)
         else:
             mask = None if attention_mask is None else padding_mask(attention_mask)
         rope = self.rotary_emb
-        rows = slice(0, T) if input_pos is None else input_pos
         h = self.embed_tokens(input_ids)
         # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.
-        cos, sin = rope.cos[rows].to(h.dtype), rope.sin[rows].to(h.dtype)
+        if position_ids is not None:  # (B, T) -> (B, 1, T, head_dim), broadcast over heads
+            cos, sin = (table[position_ids].unsqueeze(1).to(h.dtype) for table in (rope.cos, rope.sin))
+        else:
+            rows = slice(0, T) if input_pos is None else input_pos
+            cos, sin = rope.cos[rows].to(h.dtype), rope.sin[rows].to(h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
         return self.lm_head(self.norm(h))

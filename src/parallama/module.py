@@ -92,11 +92,15 @@ class LlamaLM(L.LightningModule):
             activation_checkpointing=self.hparams.activation_checkpointing,
         )
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, attention_mask)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **documents
+    ) -> torch.Tensor:
+        """`documents`: the `position_ids` and `document_ids` of document-masked packed batches."""
+        return self.model(input_ids, attention_mask, **documents)
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"))
+        documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ umask, e.g. 0644/0755, so that a team can share one cache):
 "source" is its config plus its `fingerprint` (see `sources`): path, size and mtime_ns of
 each local file, the Python build for the embedded corpora; a Hub dataset has its config
 only, so delete its entry when the dataset changes. Editing a local file in place makes a
-new entry. `seq_len`, `packing` and batch settings only affect loading, so they share an entry.
+new entry. `seq_len`, `packing`, `document_mask` and batch settings only affect loading, so they share an entry.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class TextDataModule(LightningDataModule):
         seq_len: int = 256,
         batch_size: int = 16,
         packing: bool = True,
+        document_mask: bool = False,
         val_fraction: float = 0.05,
         num_workers: int = 0,
         cache_dir: str = "data/cache",
@@ -104,8 +105,13 @@ class TextDataModule(LightningDataModule):
             raise ConfigError(f"data.batch_size={batch_size} must be >= 1")
         if not 0 <= val_fraction < 1:
             raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+        if document_mask and not packing:
+            raise ConfigError(
+                "data.document_mask=true needs data.packing=true: a padded sample holds one document already"
+            )
         self.source, self.tokenizer_fn = source, tokenizer
         self.seq_len, self.batch_size, self.packing = seq_len, batch_size, packing
+        self.document_mask = document_mask  # packed items carry position_ids and document_ids (datasets.py)
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
         self.index_log = index_log  # rank 0 appends each trained global batch's sample indices (JSON lines)
@@ -219,7 +225,8 @@ class TextDataModule(LightningDataModule):
             path = os.path.join(self.data_dir, split)
             tokens = _open_tokens(f"{path}.bin", meta["dtype"])
             if self.packing:
-                self.datasets[split] = PackedDataset(tokens, self.seq_len)
+                specials = self.special_ids if self.document_mask else None
+                self.datasets[split] = PackedDataset(tokens, self.seq_len, specials)
             else:
                 offsets = np.load(f"{path}.idx.npy")
                 self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from parallama.data.tokenizer import SpecialIds
+
 IGNORE_INDEX = -100  # label value skipped by torch.nn.functional.cross_entropy
 
 
@@ -35,10 +37,18 @@ class _TokenDataset(Dataset):
 
 class PackedDataset(_TokenDataset):
     """nanoGPT-style packing: item i is the window tokens[i*L : i*L + L + 1], so every
-    token is an input exactly once and documents are separated only by BOT/EOT."""
+    token is an input exactly once and documents are separated only by BOT/EOT.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    With `document_specials` (the tokenizer's ids) items are ready for document masking: they also carry
+    `position_ids` (restarting at 0 with every document, and at the window's start for the document the
+    window cuts into) and `document_ids` (0, 1, ... within the window), and the label that would predict
+    the next document's BOT from the last token of a document is IGNORE_INDEX. That target is always BOT and
+    says nothing about either document; a padded sample (PaddedDataset) never trains it either, so each
+    document's loss terms are exactly those of the document alone (as Megatron-LM's `eod_mask_loss`).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, document_specials: SpecialIds | None = None):
+        self.tokens, self.seq_len, self.document_specials = tokens, seq_len, document_specials
 
     def __len__(self) -> int:
         return max(len(self.tokens) - 1, 0) // self.seq_len
@@ -46,9 +56,36 @@ class PackedDataset(_TokenDataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        start = i * self.seq_len
-        x = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": x[:-1], "labels": x[1:], "index": torch.tensor(i)}
+        start, end = i * self.seq_len, (i + 1) * self.seq_len + 1
+        if self.document_specials is None:
+            x = torch.from_numpy(self.tokens[start:end].astype(np.int64))
+            return {"input_ids": x[:-1], "labels": x[1:], "index": torch.tensor(i)}
+        before = 1 if start else 0  # one token of look-back tells whether the window starts a document
+        read = self.tokens[start - before : end].astype(np.int64)
+        x, n = read[before:], self.seq_len
+        starts = document_starts(read, self.document_specials) - before  # in x, 0 is of no concern
+        starts = starts[starts > 0]
+        labels = x[1:].copy()
+        labels[starts - 1] = IGNORE_INDEX
+        inner = starts[starts < n]  # an input token begins a document
+        document_ids = np.zeros(n, dtype=np.int64)
+        document_ids[inner] = 1
+        document_ids = document_ids.cumsum()
+        position_ids = np.arange(n) - np.concatenate(([0], inner))[document_ids]
+        return {
+            "input_ids": torch.from_numpy(x[:-1]),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(position_ids),
+            "document_ids": torch.from_numpy(document_ids),
+            "index": torch.tensor(i),
+        }
+
+
+def document_starts(tokens: np.ndarray, specials: SpecialIds) -> np.ndarray:
+    """Indices in `tokens` where a document begins: a BOT right after an EOT (so never index 0). Asking for the
+    EOT too keeps tokenizers whose BOT and EOT are one token (GPT-2's <|endoftext|>) right, and a BOT spelled
+    out inside a document's text does not count."""
+    return np.flatnonzero((tokens[1:] == specials.bot) & (tokens[:-1] == specials.eot)) + 1
 
 
 class PaddedDataset(_TokenDataset):

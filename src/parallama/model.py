@@ -231,9 +231,8 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return mask | torch.eye(T, dtype=torch.bool, device=device)
 
 
-_compiled_flex_attention = (
-    None  # made by the first flex document_mask: importing torch's compiler takes seconds
-)
+# Made by the first flex document_mask: importing torch's compiler takes seconds.
+_compiled_flex_attention = None
 
 
 def document_mask(document_ids: Tensor, flex: bool) -> Tensor | BlockMask:

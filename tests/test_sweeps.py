@@ -89,6 +89,7 @@ def test_optuna_trials_run_every_rank_with_the_trials_lr(tmp_path, data_cache):
         ["launcher=slurm", "trainer.num_nodes=2", "trainer.devices=8"],
         ["experiment=article_180m"],
         ["experiment=lr_width_sweep", "width=w192"],
+        ["experiment=mixture"],
         ["hparams_search=lr_optuna"],
         ["debug=fdr"],
         ["debug=limit"],
@@ -106,6 +107,8 @@ def test_presets_compose(overrides):
         assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 8
     if "width=w192" in overrides:
         assert (cfg.model.hidden_size, cfg.model.intermediate_size) == (192, 576)
+    if "experiment=mixture" in overrides:  # data.sources replaces data.source
+        assert "source" not in cfg.data and cfg.data.sources.code.source.corpus == "code"
     if "hparams_search=lr_optuna" in overrides:
         assert cfg.optimized_metric == "val/loss" and "optimizer.lr" in cfg.hydra.sweeper.params
 

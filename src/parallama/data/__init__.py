@@ -10,6 +10,7 @@ _WHERE = {
     "TextDataModule": "datamodule",
     **dict.fromkeys(("PackedDataset", "PaddedDataset", "ResumableDistributedSampler"), "datasets"),
     **dict.fromkeys(("embedded", "files", "hub"), "sources"),
+    **dict.fromkeys(("EpochIndexSampler", "MixtureDataset"), "mixture"),
     **dict.fromkeys(
         (
             "BOT",

@@ -26,22 +26,28 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
-from functools import cached_property
+from collections.abc import Callable, Iterable, Mapping
+from functools import cached_property, partial
 
 import numpy as np
 import torch
 from lightning import LightningDataModule
 from tokenizers import Tokenizer
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
+from parallama.data.mixture import EpochIndexSampler, MixtureDataset, interleave, mixture_sources, named
 from parallama.data.position import TrainPosition, saved_position
 from parallama.data.progress import Progress
-from parallama.data.tokenizer import SpecialIds, encode_documents, special_ids
+from parallama.data.tokenizer import SpecialIds, byte_level, encode_documents, special_ids
 from parallama.errors import ConfigError
 
 SPLITS = ("train", "val")
+# What each source of a mixture shares with the mixture's data module (`parts`)
+PART_SETTINGS = (
+    *("seq_len", "batch_size", "packing", "document_mask", "val_fraction"),
+    *("num_workers", "cache_dir", "seed", "tokenize_batch_size"),
+)
 
 log = logging.getLogger("parallama")
 
@@ -80,13 +86,14 @@ class TextDataModule(LightningDataModule):
     """Pretraining data. `batch_size` is per process: global batch = batch_size x data-parallel size.
 
     `source` and `tokenizer` are callables (Hydra `_partial_: true`); a tokenizer that
-    takes `texts` (e.g. `train_bpe`) is trained on all source documents.
+    takes `texts` (e.g. `train_bpe`) is trained on all source documents. `sources` instead of `source`:
+    a weighted mixture, {name: {weight, source}} (see `mixture`).
     """
 
     def __init__(
         self,
-        source: Callable[[], Iterable[str]],
-        tokenizer: Callable[..., Tokenizer],
+        source: Callable[[], Iterable[str]] | None = None,
+        tokenizer: Callable[..., Tokenizer] = byte_level,
         seq_len: int = 256,
         batch_size: int = 16,
         packing: bool = True,
@@ -97,6 +104,7 @@ class TextDataModule(LightningDataModule):
         seed: int = 42,
         tokenize_batch_size: int = 1000,
         index_log: str | None = None,
+        sources: Mapping | None = None,
     ):
         super().__init__()
         if seq_len < 1:
@@ -109,6 +117,7 @@ class TextDataModule(LightningDataModule):
             raise ConfigError(
                 "data.document_mask=true needs data.packing=true: a padded sample holds one document already"
             )
+        self.mixture = mixture_sources(source, sources)  # None: the single `source`
         self.source, self.tokenizer_fn = source, tokenizer
         self.seq_len, self.batch_size, self.packing = seq_len, batch_size, packing
         self.document_mask = document_mask  # packed items carry position_ids and document_ids (datasets.py)
@@ -116,7 +125,10 @@ class TextDataModule(LightningDataModule):
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
         self.index_log = index_log  # rank 0 appends each trained global batch's sample indices (JSON lines)
         self._trains = "texts" in inspect.signature(tokenizer).parameters
-        self._source_key = _source_key(source)  # also finds missing or unreadable paths before any work
+        # also finds missing or unreadable paths before any work
+        self._source_key = self._mixture_key() if self.mixture else _source_key(source)
+        if self.mixture:  # what a trained tokenizer reads; the token cache has an entry per source (`parts`)
+            self.source = partial(interleave, self.mixture)
         self._resume_state: dict | None = None
         self.position: TrainPosition | None = None  # set with the train loader
         self.datasets: dict[str, Dataset] = {}
@@ -160,6 +172,8 @@ class TextDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Tokenize every document to [BOT] + ids + [EOT] and split by document."""
+        if self.mixture:
+            return self._prepare_mixture()
         if os.path.isdir(self.data_dir):
             meta = self._meta()
             log.info(
@@ -218,6 +232,8 @@ class TextDataModule(LightningDataModule):
         the train split holds one step for every rank (else the run would end having trained nothing)."""
         if self.datasets:
             return
+        if self.mixture:
+            return self._setup_mixture(stage)
         if not os.path.isdir(self.data_dir):
             self.prepare_data()
         meta = self._meta()
@@ -264,7 +280,8 @@ class TextDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = ResumableDistributedSampler(self.datasets["train"], world, rank, seed=self.seed)
+        sampler_type = EpochIndexSampler if self.mixture else ResumableDistributedSampler
+        sampler = sampler_type(self.datasets["train"], world, rank, seed=self.seed)
         self.position = TrainPosition(sampler, self.batch_size, self.index_log if rank == 0 else None)
         if self._resume_state:  # continue at the checkpoint's global sample
             self.position.restore(self._resume_state, self.trainer, source="the checkpoint")
@@ -317,7 +334,7 @@ class TextDataModule(LightningDataModule):
             "data.seq_len": self.seq_len,
             "data.packing": self.packing,
             "data.val_fraction": self.val_fraction,
-            "token cache": os.path.basename(self.data_dir),
+            **(self._mixture_order() if self.mixture else {"token cache": os.path.basename(self.data_dir)}),
         }
 
     def check_resume(self, saved: dict, source: str) -> None:
@@ -338,3 +355,65 @@ class TextDataModule(LightningDataModule):
         world, rank = self._world()
         sampler = DistributedSampler(self.datasets["val"], world, rank, shuffle=False, drop_last=False)
         return self._loader("val", sampler, drop_last=False)
+
+    # --- mixtures (data.sources) ---------------------------------------------------------------------------
+
+    def _mixture_key(self) -> list:
+        """What a tokenizer trained on the mixture depends on: every source's key and the weights."""
+        keys = []
+        for name, (weight, source) in sorted(self.mixture.items()):
+            with named(name):
+                keys.append([name, weight, _source_key(source)])
+        return ["mixture", keys]
+
+    @cached_property
+    def parts(self) -> dict[str, TextDataModule]:
+        """A single-source data module per mixture source, with this module's tokenizer: each builds and opens
+        its own token cache entry, so adding a source or changing a weight re-tokenizes no other source (unless
+        a trained tokenizer changes with them)."""
+        tokenizer = partial(Tokenizer.from_str, self.tokenizer.to_str())
+        settings = {key: getattr(self, key) for key in PART_SETTINGS}
+        return {
+            name: TextDataModule(source, tokenizer, **settings) for name, (_, source) in self.mixture.items()
+        }
+
+    def _prepare_mixture(self) -> None:
+        for name, part in self.parts.items():
+            with named(name):
+                part.prepare_data()
+
+    def _setup_mixture(self, stage: str | None) -> None:
+        """The train split mixes the sources' train splits (`MixtureDataset`); val concatenates their val splits."""
+        for name, part in self.parts.items():
+            with named(name):
+                part.setup()
+        weights = {name: weight for name, (weight, _) in self.mixture.items()}
+        total = sum(weights.values())
+        train = MixtureDataset({n: p.datasets["train"] for n, p in self.parts.items()}, weights, self.seed)
+        self.datasets = {
+            "train": train,
+            "val": ConcatDataset([p.datasets["val"] for p in self.parts.values()]),
+        }
+        world, rank = self._world()
+        if rank == 0:
+            log.info(
+                f"data mixture of {len(train):,} samples per epoch: "
+                + ", ".join(
+                    f"{name} {weights[name] / total:.3g} = {n:,} of {length:,} ({n / length:.2f} passes)"
+                    for name, n, length in zip(train.names, train.counts, train.lengths, strict=True)
+                )
+            )
+        if stage == "fit" and len(train) < (need := self.batch_size * world):
+            raise ConfigError(
+                f"data.sources: the mixture has {len(train)} train samples of seq_len {self.seq_len} but one "
+                f"step needs data.batch_size * world size = {need}; use more data or lower data.batch_size"
+            )
+
+    def _mixture_order(self) -> dict:
+        """The weights (as configured) and every source's token cache entry fix a mixture's order."""
+        return {
+            "data.sources": {name: weight for name, (weight, _) in sorted(self.mixture.items())},
+            "token cache": ", ".join(
+                f"{name}={os.path.basename(part.data_dir)}" for name, part in sorted(self.parts.items())
+            ),
+        }

@@ -112,6 +112,13 @@ class PaddedDataset(_TokenDataset):
         return {"input_ids": x[:-1], "labels": labels, "attention_mask": mask, "index": torch.tensor(i)}
 
 
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The train order of `n` samples in `epoch`: a permutation seeded with seed + epoch (DistributedSampler's)."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).numpy()
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """The train order: each epoch a permutation of the samples seeded with seed + epoch (DistributedSampler's),
     of which rank r of `num_replicas` reads positions r, r + world, r + 2 world, ...
@@ -133,9 +140,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def order(self, epoch: int) -> np.ndarray:
         """Sample index at each global position of `epoch`."""
         if self._order is None or self._order[0] != epoch:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            self._order = (epoch, torch.randperm(len(self.dataset), generator=g).numpy())
+            self._order = (epoch, epoch_order(len(self.dataset), self.seed, epoch))
         return self._order[1]
 
     def start_at(self, epoch: int, position: int) -> None:

@@ -142,6 +142,14 @@ def test_each_source_has_its_own_cache_entry_and_a_new_weight_reuses_them(tmp_pa
     assert all(grown.parts[name].data_dir == entries[name] for name in entries)
 
 
+def test_document_mask_reaches_every_source(tmp_path):
+    dm = _dm(tmp_path, _corpora(), document_mask=True)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert {"position_ids", "document_ids"} <= set(batch)
+    assert all(part.document_mask for part in dm.parts.values())
+
+
 def test_a_trained_tokenizer_reads_every_source_and_is_keyed_on_the_weights(tmp_path):
     bpe = partial(train_bpe, vocab_size=300)
     dm, reweighted = _dm(tmp_path, _corpora(), bpe), _dm(tmp_path, _corpora(prose=0.5, code=0.5), bpe)

@@ -5,11 +5,13 @@ the datamodule can take one pass to train a tokenizer and another to tokenize.
 Errors are raised eagerly where possible and are one line naming the config key and
 the file (and record). A source's `fingerprint` attribute, called with the same
 arguments, returns what its documents depend on beyond the config: the token cache
-key includes it, so changed inputs get a new cache entry.
+key includes it, so changed inputs get a new cache entry. Its `num_documents` attribute
+returns how many documents to expect, or None (only progress lines use it, for an ETA).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import logging
@@ -50,9 +52,23 @@ def _embedded_fingerprint(corpus: str = "prose", max_documents: int | None = Non
     return [sys.version]
 
 
+def _embedded_count(corpus: str = "prose", max_documents: int | None = None) -> int | None:
+    if corpus not in CORPORA:
+        return None
+    if corpus == "prose":
+        from pydoc_data.topics import topics
+
+        n = len(topics)
+    else:
+        n = len(_stdlib_sources())
+    return min(n, max_documents) if max_documents is not None else n
+
+
 embedded.fingerprint = _embedded_fingerprint
+embedded.num_documents = _embedded_count
 
 
+@functools.cache  # the stdlib does not change while we run; the scan takes a second
 def _stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = (p for p in root.rglob("*.py") if not _NOT_CODE & set(p.relative_to(root).parts[:-1]))
@@ -76,7 +92,30 @@ def _files_fingerprint(
     return [[os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in _match(paths)]
 
 
+def _files_count(
+    paths: str | list[str], text_key: str = "text", max_documents: int | None = None
+) -> int | None:
+    """Exact where cheap: one per .txt/.md file, parquet row counts from the footer, jsonl line counts (a
+    read at disk speed); a .json array makes it unknown."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in _match(paths):
+        ext = _ext(path)
+        if BUILDERS[ext] == "text":
+            total += 1
+        elif ext == ".parquet":
+            total += pq.ParquetFile(path).metadata.num_rows
+        elif ext == ".jsonl":
+            with open(path, "rb") as f:
+                total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+        else:
+            return max_documents
+    return min(total, max_documents) if max_documents is not None else total
+
+
 files.fingerprint = _files_fingerprint
+files.num_documents = _files_count
 
 
 def _match(paths: str | list[str]) -> list[str]:
@@ -169,3 +208,18 @@ def hub(
         ds = ds.select_columns([text_key])  # skip decoding the other columns
     docs = (_text(row.get(text_key), text_key, name, record) for record, row in enumerate(ds, 1))
     return itertools.islice(docs, max_documents)
+
+
+def _hub_count(
+    name: str,
+    config_name: str | None = None,
+    split: str = "train",
+    text_key: str = "text",
+    streaming: bool = True,
+    max_documents: int | None = None,
+) -> int | None:
+    """Only a cap is known without asking the Hub."""
+    return max_documents
+
+
+hub.num_documents = _hub_count

@@ -122,13 +122,13 @@ PREPARE_GOALS = {"1 process / encode_batch": 0.8, "2 processes / 1 process": 1.8
 RSS_GOAL_MB = 1024
 
 
-def _encode_rate(tok, docs: list[str], threads: bool) -> float:
-    """encode_batch over the corpus, with or without the tokenizer's own thread pool."""
+def _encode_rate(tok, docs: list[str], threads: bool, times: int) -> float:
+    """encode_batch over the corpus, `times` over (one call per copy), with or without the tokenizer's threads."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     try:
         start = time.perf_counter()
-        n = sum(len(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False))
+        n = sum(len(e.ids) for _ in range(times) for e in tok.encode_batch(docs, add_special_tokens=False))
         return n / (time.perf_counter() - start)
     finally:
         os.environ.pop("TOKENIZERS_PARALLELISM")
@@ -136,29 +136,24 @@ def _encode_rate(tok, docs: list[str], threads: bool) -> float:
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def _prepare_rate(folder: str, num_proc: int, threads: bool, part_chars: int) -> float:
+def _prepare_rate(folder: str, num_proc: int, threads: bool, args) -> float:
     """A whole build (parts, index) from nothing in `bench/prepare_run.py`'s process: tokens / seconds."""
     with tempfile.TemporaryDirectory(dir=folder) as cache:
         cmd = [sys.executable, "-m", "bench.prepare_run", f"{folder}/docs.pkl", f"{folder}/tok.json", cache]
-        cmd += [
-            "--num-proc",
-            str(num_proc),
-            "--part-chars",
-            str(part_chars),
-            *(["--threads"] if threads else []),
-        ]
+        cmd += ["--num-proc", str(num_proc), "--part-chars", str(args.part_chars)]
+        cmd += ["--times", str(args.prepare_times), *(["--threads"] if threads else [])]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
     result = json.loads(out.stdout.splitlines()[-1])
     return result["tokens"] / result["seconds"]
 
 
 def prepare_throughput(args, docs: list[str], tok) -> dict:
-    """Building the cache vs the tokenizer alone, on the same documents, in alternating rounds. `encode_batch` is
-    one call over the in-memory corpus; a build is the whole of `TokenCache.build_or_open` (documents cut into
-    parts, encoded, parts written, then split into shards and the index), timed inside its own process (process
-    start not counted; its workers' start is). Single-threaded tokenizers throughout, so that 1 -> 2 processes
-    measures the processes; plus, for reference, the path training takes (1 process, the tokenizer's threads on)
-    against encode_batch with threads."""
+    """Building the cache vs the tokenizer alone, on the same documents (the corpus `--prepare-times` over), in
+    alternating rounds. `encode_batch` is one call per copy of the in-memory corpus; a build is the whole of
+    `TokenCache.build_or_open` (documents cut into parts, encoded, parts written, then split into shards and the
+    index), timed inside its own process (process start not counted; its workers' start is). Single-threaded
+    tokenizers throughout, so that 1 -> 2 processes measures the processes; plus, for reference, the path training
+    takes (1 process, the tokenizer's threads on) against encode_batch with threads."""
     ratios = {
         "1 process / encode_batch": ("prepare, 1 process", "encode_batch, 1 thread"),
         "2 processes / 1 process": ("prepare, 2 processes", "prepare, 1 process"),
@@ -169,13 +164,11 @@ def prepare_throughput(args, docs: list[str], tok) -> dict:
     }
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as folder:
         arms = {
-            "encode_batch, 1 thread": lambda: _encode_rate(tok, docs, threads=False),
-            "prepare, 1 process": lambda: _prepare_rate(folder, 1, False, args.part_chars),
-            "prepare, 2 processes": lambda: _prepare_rate(folder, 2, False, args.part_chars),
-            "encode_batch, threads": lambda: _encode_rate(tok, docs, threads=True),
-            "prepare in training (1 process, threads)": lambda: _prepare_rate(
-                folder, 1, True, args.part_chars
-            ),
+            "encode_batch, 1 thread": lambda: _encode_rate(tok, docs, False, args.prepare_times),
+            "prepare, 1 process": lambda: _prepare_rate(folder, 1, False, args),
+            "prepare, 2 processes": lambda: _prepare_rate(folder, 2, False, args),
+            "encode_batch, threads": lambda: _encode_rate(tok, docs, True, args.prepare_times),
+            "prepare in training (1 process, threads)": lambda: _prepare_rate(folder, 1, True, args),
         }
         rates: dict[str, list[float]] = {name: [] for name in arms}
         Path(folder, "docs.pkl").write_bytes(pickle.dumps(docs))
@@ -184,9 +177,9 @@ def prepare_throughput(args, docs: list[str], tok) -> dict:
             for name, arm in arms.items():
                 rates[name].append(arm())
     per_round = {r: [x / y for x, y in zip(rates[a], rates[b])] for r, (a, b) in ratios.items()}
-    chars = sum(map(len, docs))
+    chars = args.prepare_times * sum(map(len, docs)) / 1e6
     print(
-        f"\nprepare (BPE-{tok.get_vocab_size()}, {chars / 1e6:.1f} M chars, part_chars {args.part_chars:,}): tokens/s"
+        f"\nprepare (BPE-{tok.get_vocab_size()}, {chars:.1f} M chars, part_chars {args.part_chars:,}): tokens/s"
     )
     for name, values in rates.items():
         print(f"{name:<42} {median(values):>12,.0f}")
@@ -274,6 +267,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--part-chars", type=int, default=1_000_000, help="prepare.part_chars of the prepare figures"
+    )
+    p.add_argument(
+        "--prepare-times", type=int, default=4, help="prepare throughput on the corpus N times over"
     )
     p.add_argument(
         "--rss-multiples",

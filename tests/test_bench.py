@@ -41,7 +41,7 @@ def test_overhead(capsys, tmp_path, cache):
 def test_data(capsys, tmp_path, cache):
     tiny = ["--corpus", "prose", "--max-documents", "12", "--bpe-vocab", "300", "--seq-len", "32"]
     tiny += ["--batch", "2", "--batches", "3", "--warmup-batches", "1", "--repeats", "1"]
-    tiny += ["--part-chars", "5000", "--rss-multiples", "1"]
+    tiny += ["--part-chars", "5000", "--prepare-times", "1", "--rss-multiples", "1"]
     text, result = run(capsys, tmp_path, cache, "data", *tiny)
     assert set(result["tokenizer_tokens_per_s"]) == {"byte_level", "bpe_300"}
     assert len(result["loader_tokens_per_s"]) == 4 and min(result["loader_tokens_per_s"].values()) > 0

@@ -3,6 +3,7 @@ number of processes or nodes; resumable after kill -9; stale inputs get a new en
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -117,6 +118,24 @@ def test_a_truncated_part_is_made_again(tmp_path, caplog):
     assert entry_files(entry.path) == entry_files(reference.path)
 
 
+def test_an_entry_of_the_one_file_layout_is_upgraded_in_place(tmp_path):
+    """Caches written before shards (train.bin, val.bin, meta.json) keep their name (resumes check it) and are
+    opened without tokenizing again."""
+    cache, built = build(tmp_path, shard_tokens=10**9)
+    path = Path(built.path)
+    for split in ("train", "val"):
+        (path / f"{split}-00000.bin").rename(path / f"{split}.bin")
+    meta = {k: built.index[k] for k in ("n_docs", "n_tokens", "dtype", "vocab_size")}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "index.json").unlink()
+    reopened = TokenCache(PROSE, byte_level(), str(tmp_path), val_fraction=0.1, seed=3).open()
+    assert reopened is not None and reopened.name == cache.name
+    assert sorted(os.listdir(path)) == sorted(entry_files(built.path)) and not (path / "meta.json").exists()
+    for split in ("train", "val"):
+        assert reopened.tokens(split)[:].tolist() == built.tokens(split)[:].tolist()
+        assert reopened.doc_offsets(split).tolist() == built.doc_offsets(split).tolist()
+
+
 def test_a_changed_input_file_gets_a_new_entry_that_training_reads(tmp_path, caplog):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -193,7 +212,7 @@ def test_progress_gives_the_share_done_and_an_eta(caplog):
         progress.reused(4)
         progress.update(2, 100)
     line = caplog.records[1].getMessage()
-    assert line.startswith("tokenizing: 2 docs, 100 tokens so far (") and ", 60%, ETA 00:00:" in line
+    assert line.startswith("tokenizing: 2 docs, 100 tokens so far (") and ", 60%, ETA 0:00:" in line
 
 
 @pytest.mark.parametrize(

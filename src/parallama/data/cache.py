@@ -5,7 +5,7 @@ follow the umask, e.g. 0644/0755, so that a team can share one cache):
 
     tokenizer-<hash>.json        trained BPE tokenizers (hash: source + tokenizer config)
     <hash>/                      one entry: a source tokenized by one tokenizer (hash: source, the tokenizer's
-        parts-<part_chars>/        own JSON, val_fraction, seed, the layout version); while building only:
+        parts-<part_chars>/        own JSON, val_fraction, seed); while building only:
                                    the corpus in parts (see `parts`), kept across kills, removed at the end
         train-00000.bin, ...     the train split's tokens, [BOT] ids [EOT] per document, `shard_tokens` per
         val-00000.bin, ...         shard (the last shorter); uint16, or uint32 above 65536 tokens
@@ -33,7 +33,7 @@ from functools import cached_property
 import numpy as np
 from tokenizers import Tokenizer
 
-from parallama.data.index import FORMAT, Finished, all_parts, save_atomic, write_index
+from parallama.data.index import Finished, all_parts, save_atomic, upgrade_v1, write_index
 from parallama.data.parts import build_parts, parts_dir
 from parallama.data.progress import Progress
 from parallama.data.shards import ShardedTokens
@@ -41,7 +41,7 @@ from parallama.errors import ConfigError
 
 SHARD_TOKENS = 100_000_000  # 200 MB shards at uint16
 PART_CHARS = (
-    16_000_000  # characters per part: what a kill can lose per process, and the text in flight per worker
+    4_000_000  # characters per part: the work a kill can lose per process, the text in flight per worker
 )
 STEPS = ("all", "parts", "index")
 
@@ -140,7 +140,7 @@ class TokenCache:
     def name(self) -> str:
         """Keyed on the tokenizer itself, so an edited tokenizer file gets a new entry."""
         tok = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
-        return _hash(self.key, tok, self.val_fraction, self.seed, FORMAT)
+        return _hash(self.key, tok, self.val_fraction, self.seed)
 
     @property
     def path(self) -> str:
@@ -151,7 +151,15 @@ class TokenCache:
         return np.dtype(np.uint16 if self.tokenizer.get_vocab_size() <= 2**16 else np.uint32)
 
     def open(self) -> CacheEntry | None:
-        return CacheEntry(self.path) if os.path.exists(os.path.join(self.path, "index.json")) else None
+        """The entry if it is complete (an entry of the older one-file layout is upgraded first), else None."""
+        if not os.path.exists(os.path.join(self.path, "index.json")):
+            if not os.path.exists(os.path.join(self.path, "meta.json")):
+                return None
+            try:
+                upgrade_v1(self.path)
+            except FileNotFoundError:  # meta.json removed by a racing upgrader, who wrote index.json first
+                pass
+        return CacheEntry(self.path)
 
     def build_or_open(
         self,

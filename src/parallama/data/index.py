@@ -1,6 +1,6 @@
 """Phase 2 of building a token cache: once every part exists, split by document into shards, then the index.
 
-Runs once per entry (node 0). Memory: one part's tokens at a time, and about 17 bytes per document of the corpus
+Runs once per entry (node 0). Memory: one part's tokens at a time, and a few tens of bytes per document
 (lengths, the held-out mask and the permutation that draws it); never the corpus or a per-token array.
 """
 
@@ -21,7 +21,7 @@ from parallama.data.shards import ShardWriter, tmp_name, write_json
 from parallama.errors import ConfigError
 
 SPLITS = ("train", "val")
-FORMAT = 2  # 1: one train.bin/val.bin + meta.json per entry; 2: shards + index.json
+FORMAT = 2  # 1 (before parallama-prepare): train.bin, val.bin, meta.json; 2: shards + index.json
 
 log = logging.getLogger("parallama")
 
@@ -131,6 +131,33 @@ def write_index(
             gone = tmp_name(os.path.dirname(entry), ".removing-")
             os.rename(os.path.join(entry, name), gone)
             shutil.rmtree(gone, ignore_errors=True)
+
+
+def upgrade_v1(entry: str) -> None:
+    """An entry of the one-file layout (train.bin, val.bin, meta.json) becomes a layout-2 entry in place: each
+    file is renamed to its split's single shard, the index written from meta.json. Same tokens, so same name:
+    runs keep reusing (and resuming on) it without tokenizing again. Racing upgraders end with the same files."""
+    with open(os.path.join(entry, "meta.json")) as f:
+        meta = json.load(f)
+    index = {"format": FORMAT, "dtype": meta["dtype"], "vocab_size": meta["vocab_size"]}
+    index.update(
+        shard_tokens=max(meta["n_tokens"].values()), n_docs=meta["n_docs"], n_tokens=meta["n_tokens"]
+    )
+    index["splits"] = {}
+    for split in SPLITS:
+        shard, n = f"{split}-00000.bin", meta["n_tokens"][split]
+        try:
+            os.replace(os.path.join(entry, f"{split}.bin"), os.path.join(entry, shard))
+        except FileNotFoundError:  # renamed by another upgrader
+            pass
+        if n == 0 and os.path.exists(os.path.join(entry, shard)):
+            os.remove(os.path.join(entry, shard))
+        shards = [{"file": shard, "tokens": n}] if n else []
+        index["splits"][split] = {"shards": shards, "doc_offsets": f"{split}.idx.npy"}
+    write_json(os.path.join(entry, "index.json"), index)
+    if os.path.exists(meta_path := os.path.join(entry, "meta.json")):
+        os.remove(meta_path)
+    log.info(f"token cache {entry}: upgraded in place to layout {FORMAT} (shards + index.json)")
 
 
 def save_atomic(path: str, write: Callable) -> None:

@@ -204,11 +204,12 @@ class _Pool:
 
     def submit(self, block: list[str], folder: str, unit: int) -> None:
         while len(self.pending) >= self.limit:
-            self._wait(FIRST_COMPLETED)
+            self._wait()
         self.pending.add(self.executor.submit(_encode_in_worker, block, folder, unit))
 
-    def _wait(self, how: str) -> None:
-        done, self.pending = wait(self.pending, timeout=0.2, return_when=how)
+    def _wait(self) -> None:
+        """Until a unit is done (or 0.2 s passed, to show the workers' progress)."""
+        done, self.pending = wait(self.pending, timeout=0.2, return_when=FIRST_COMPLETED)
         self._drain()
         for future in done:
             future.result()  # a worker's exception, raised here
@@ -219,7 +220,7 @@ class _Pool:
 
     def finish(self) -> None:
         while self.pending:
-            self._wait(FIRST_COMPLETED)
+            self._wait()
         self._drain()
 
     def close(self) -> None:

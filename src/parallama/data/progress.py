@@ -51,8 +51,8 @@ class Progress:
             done = min(self.docs + self.reused_docs, self.total)
             text += f", {done / self.total:.0%}"
             if self.docs:
-                left = (self.total - done) * seconds / self.docs
-                text += f", ETA {time.strftime('%H:%M:%S', time.gmtime(left))}"
+                left = round((self.total - done) * seconds / self.docs)
+                text += f", ETA {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
         return text
 
     def update(self, docs: int, count: int) -> None:

@@ -1,4 +1,5 @@
-"""`data`: tokenizer and data-loader throughput, and the loader's headroom over what a GPU consumes.
+"""`data`: tokenizer and data-loader throughput, and the loader's headroom over what a GPU consumes; building
+the token cache (`parallama-prepare`): its throughput against the tokenizer alone, and its peak memory.
 
 Tokenizers encode the corpus with `encode_batch` (batched, as the cache builder calls them); the loader is
 `TextDataModule.train_dataloader()` reading the token memmap cache, packed and padded, with 0 and 2 workers.
@@ -6,12 +7,21 @@ Headroom = loader tokens/s / tokens/s the 180M model consumes at 45% MFU on one 
 989 TFLOP/s) at seq_len 512. Each figure is the median of `--repeats` timed passes after untimed warmup.
 Document masking (`data.document_mask`): the packed loader with it off and on, alternating round by round, and
 the tiny model's CPU forward+backward with SDPA's is_causal vs SDPA with the block-diagonal mask.
+
+Prepare: see `prepare_throughput` and `prepare_memory`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
 from itertools import islice
+from pathlib import Path
 
 from bench.common import datamodule, machine, median, preset, print_machine, quiet, save
 
@@ -106,6 +116,8 @@ def run(args) -> dict:
     met = "met" if worst >= GOAL_HEADROOM else "NOT met"
     print(f"\nworst headroom {worst:.1f}x: goal >= {GOAL_HEADROOM:g}x {met} on this CPU")
     results["document_mask"] = document_mask_costs(args, goal)
+    results["prepare"] = prepare_throughput(args, docs, bpe)
+    results["prepare_peak_rss_mb"] = prepare_memory(args, docs, bpe)
     save(args.out, "data", info, results)
     return results
 
@@ -205,6 +217,142 @@ def mask_model_cost(args) -> dict:
     }
 
 
+PREPARE_GOALS = {"1 process / encode_batch": 0.8, "2 processes / 1 process": 1.8}
+RSS_GOAL_MB = 1024
+
+
+def _encode_rate(tok, docs: list[str], threads: bool, times: int) -> float:
+    """encode_batch over the corpus, `times` over (one call per copy), with or without the tokenizer's threads."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    try:
+        start = time.perf_counter()
+        n = sum(len(e.ids) for _ in range(times) for e in tok.encode_batch(docs, add_special_tokens=False))
+        return n / (time.perf_counter() - start)
+    finally:
+        os.environ.pop("TOKENIZERS_PARALLELISM")
+        if before is not None:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _prepare_rate(folder: str, num_proc: int, threads: bool, args) -> float:
+    """A whole build (parts, index) from nothing in `bench/prepare_run.py`'s process: tokens / seconds."""
+    with tempfile.TemporaryDirectory(dir=folder) as cache:
+        cmd = [sys.executable, "-m", "bench.prepare_run", f"{folder}/docs.pkl", f"{folder}/tok.json", cache]
+        cmd += ["--num-proc", str(num_proc), "--part-chars", str(args.part_chars)]
+        cmd += ["--times", str(args.prepare_times), *(["--threads"] if threads else [])]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    result = json.loads(out.stdout.splitlines()[-1])
+    return result["tokens"] / result["seconds"]
+
+
+def prepare_throughput(args, docs: list[str], tok) -> dict:
+    """Building the cache vs the tokenizer alone, on the same documents (the corpus `--prepare-times` over), in
+    alternating rounds. `encode_batch` is one call per copy of the in-memory corpus; a build is the whole of
+    `TokenCache.build_or_open` (documents cut into parts, encoded, parts written, then split into shards and the
+    index), timed inside its own process (process start not counted; its workers' start is). Single-threaded
+    tokenizers throughout, so that 1 -> 2 processes measures the processes; plus, for reference, the path training
+    takes (1 process, the tokenizer's threads on) against encode_batch with threads."""
+    ratios = {
+        "1 process / encode_batch": ("prepare, 1 process", "encode_batch, 1 thread"),
+        "2 processes / 1 process": ("prepare, 2 processes", "prepare, 1 process"),
+        "in training / encode_batch, threads": (
+            "prepare in training (1 process, threads)",
+            "encode_batch, threads",
+        ),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as folder:
+        arms = {
+            "encode_batch, 1 thread": lambda: _encode_rate(tok, docs, False, args.prepare_times),
+            "prepare, 1 process": lambda: _prepare_rate(folder, 1, False, args),
+            "prepare, 2 processes": lambda: _prepare_rate(folder, 2, False, args),
+            "encode_batch, threads": lambda: _encode_rate(tok, docs, True, args.prepare_times),
+            "prepare in training (1 process, threads)": lambda: _prepare_rate(folder, 1, True, args),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in arms}
+        Path(folder, "docs.pkl").write_bytes(pickle.dumps(docs))
+        tok.save(f"{folder}/tok.json")
+        for _ in range(args.repeats):
+            for name, arm in arms.items():
+                rates[name].append(arm())
+    per_round = {r: [x / y for x, y in zip(rates[a], rates[b])] for r, (a, b) in ratios.items()}
+    chars = args.prepare_times * sum(map(len, docs)) / 1e6
+    print(
+        f"\nprepare (BPE-{tok.get_vocab_size()}, {chars:.1f} M chars, part_chars {args.part_chars:,}): tokens/s"
+    )
+    for name, values in rates.items():
+        print(f"{name:<42} {median(values):>12,.0f}")
+    for name, values in per_round.items():
+        goal = PREPARE_GOALS.get(name)
+        verdict = f"goal >= {goal:g}: {'met' if median(values) >= goal else 'NOT met'}" if goal else ""
+        rounds = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{name:<42} {median(values):>11.2f}x  (rounds {rounds}) {verdict}")
+    return {
+        "tokens_per_s": {k: median(v) for k, v in rates.items()},
+        "ratios": {k: median(v) for k, v in per_round.items()},
+        "ratios_per_round": per_round,
+        "goals": PREPARE_GOALS,
+    }
+
+
+def _peak_rss(cmd: list[str]) -> tuple[float, float]:
+    """(peak of the summed RSS of the process and its descendants, peak RSS of any one of them) in MB, sampled
+    every 20 ms. Summed RSS counts shared pages (libraries) once per process: an upper bound."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        root, tree, single = psutil.Process(proc.pid), 0, 0
+        while proc.poll() is None:
+            try:
+                sizes = [p.memory_info().rss for p in [root, *root.children(recursive=True)]]
+            except psutil.Error:  # a process ended while being read
+                continue
+            tree, single = max(tree, sum(sizes)), max(single, *sizes)
+            time.sleep(0.02)
+        if proc.returncode:
+            log.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed: {log.read()[-2000:]}")
+    return tree / 2**20, single / 2**20
+
+
+def prepare_memory(args, docs: list[str], tok) -> dict:
+    """Peak memory of `python -m parallama.prepare` (2 processes) over 1x, 4x, 16x the corpus: jsonl files read by
+    `data/source=files` (k links to one file of the corpus), a tokenizer given as a file (tokenizer training has
+    its own cap, `tokenizer.train_documents`)."""
+    results = {}
+    print(f"\nprepare peak RSS (MB), 2 processes; goal: flat, < {RSS_GOAL_MB} MB")
+    print(f"{'corpus':<10} {'tokens':>12} {'process tree':>13} {'largest process':>16}")
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-rss-") as folder:
+        with open(f"{folder}/corpus.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
+        tok.save(f"{folder}/tok.json")
+        for k in args.rss_multiples:
+            os.makedirs(data := f"{folder}/x{k}")
+            for i in range(k):
+                os.symlink(f"{folder}/corpus.jsonl", f"{data}/part{i:03d}.jsonl")
+            cmd = [
+                sys.executable,
+                "-m",
+                "parallama.prepare",
+                "data/source=files",
+                f"data.source.paths={data}/*.jsonl",
+            ]
+            cmd += ["tokenizer=pretrained", f"tokenizer.name_or_path={folder}/tok.json", "prepare.num_proc=2"]
+            cmd += [f"prepare.part_chars={args.part_chars}", f"paths.cache_dir={folder}/cache{k}"]
+            cmd += [f"hydra.run.dir={folder}/run{k}"]
+            tree, single = _peak_rss(cmd)
+            (index,) = Path(folder, f"cache{k}").glob("*/index.json")
+            tokens = sum(json.loads(index.read_text())["n_tokens"].values())
+            results[f"{k}x"] = {"tokens": tokens, "tree": tree, "largest_process": single}
+            print(f"{f'{k}x':<10} {tokens:>12,} {tree:>13,.0f} {single:>16,.0f}")
+    worst = max(r["tree"] for r in results.values())
+    print(
+        f"largest peak {worst:,.0f} MB: goal < {RSS_GOAL_MB} MB {'met' if worst < RSS_GOAL_MB else 'NOT met'}"
+    )
+    return results
+
+
 def add_arguments(p) -> None:
     p.add_argument(
         "--corpus", default="code", choices=["prose", "code"], help="embedded corpus (code: 734 docs)"
@@ -218,4 +366,16 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--model-steps", type=int, default=5, help="forward+backward steps per timed pass (mask cost)"
+    )
+    p.add_argument(
+        "--part-chars", type=int, default=1_000_000, help="prepare.part_chars of the prepare figures"
+    )
+    p.add_argument(
+        "--prepare-times", type=int, default=4, help="prepare throughput on the corpus N times over"
+    )
+    p.add_argument(
+        "--rss-multiples",
+        type=lambda s: [int(k) for k in s.split(",")],
+        default=[1, 4, 16],
+        help="corpus sizes (times the corpus) whose prepare peak RSS is measured",
     )

@@ -41,7 +41,7 @@ def test_overhead(capsys, tmp_path, cache):
 def test_data(capsys, tmp_path, cache):
     tiny = ["--corpus", "prose", "--max-documents", "12", "--bpe-vocab", "300", "--seq-len", "32"]
     tiny += ["--batch", "2", "--batches", "3", "--warmup-batches", "1", "--repeats", "1"]
-    tiny += ["--model-steps", "1"]
+    tiny += ["--model-steps", "1", "--part-chars", "5000", "--prepare-times", "1", "--rss-multiples", "1"]
     text, result = run(capsys, tmp_path, cache, "data", *tiny)
     assert set(result["tokenizer_tokens_per_s"]) == {"byte_level", "bpe_300"}
     assert len(result["loader_tokens_per_s"]) == 4 and min(result["loader_tokens_per_s"].values()) > 0
@@ -51,6 +51,9 @@ def test_data(capsys, tmp_path, cache):
     assert len(masked["loader_tokens_per_s"]) == 2
     assert all(r["on"] > 0 for r in masked["loader_tokens_per_s"].values())
     assert masked["model_cpu"]["mask_over_is_causal"] > 0
+    assert len(result["prepare"]["tokens_per_s"]) == 5 and min(result["prepare"]["tokens_per_s"].values()) > 0
+    assert set(result["prepare"]["ratios"]) >= set(result["prepare"]["goals"])
+    assert result["prepare_peak_rss_mb"]["1x"]["tree"] > 0 and "largest peak" in text
 
 
 @pytest.mark.multiprocess

@@ -34,6 +34,7 @@ from parallama.data import (
     special_ids,
     train_bpe,
 )
+from parallama.data.cache import CacheEntry
 from parallama.data.datamodule import _source_key
 from parallama.data.progress import Progress
 from parallama.data.tokenizer import CHUNK_CHARS, SPECIALS, UNK, chunks, splits_safely
@@ -390,8 +391,8 @@ def _dm(tmp_path, tokenizer=byte_level, **kw):
 
 
 def _split_docs(dm, split):
-    tokens = np.fromfile(os.path.join(dm.data_dir, f"{split}.bin"), dtype=np.uint16)
-    offsets = np.load(os.path.join(dm.data_dir, f"{split}.idx.npy"))
+    entry = CacheEntry(dm.data_dir)
+    tokens, offsets = entry.tokens(split)[:], entry.doc_offsets(split)
     assert offsets.dtype == np.int64 and offsets[0] == 0 and offsets[-1] == len(tokens)
     return [tuple(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
@@ -404,17 +405,17 @@ def test_cache_holds_each_document_once_and_is_reused(tmp_path):
     train, val = _split_docs(dm, "train"), _split_docs(dm, "val")
     assert len(val) == 2 and len(train) == 8
     assert sorted(train + val) == expected  # disjoint and covering
-    meta = json.loads(open(os.path.join(dm.data_dir, "meta.json")).read())
+    meta = json.loads(open(os.path.join(dm.data_dir, "index.json")).read())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 260
     assert meta["n_docs"] == {"train": 8, "val": 2}
     assert meta["n_tokens"]["train"] == sum(map(len, train))
     assert Tokenizer.from_file(os.path.join(dm.data_dir, "tokenizer.json")).to_str() == tok.to_str()
 
-    mtime = os.path.getmtime(os.path.join(dm.data_dir, "train.bin"))
+    mtime = os.path.getmtime(os.path.join(dm.data_dir, "train-00000.bin"))
     again = _dm(tmp_path, val_fraction=0.2, seq_len=64, packing=False)
     assert again.data_dir == dm.data_dir
     again.prepare_data()
-    assert os.path.getmtime(os.path.join(dm.data_dir, "train.bin")) == mtime
+    assert os.path.getmtime(os.path.join(dm.data_dir, "train-00000.bin")) == mtime
     assert _dm(tmp_path, val_fraction=0.2, seed=1).data_dir != dm.data_dir
     assert [p for p in os.listdir(tmp_path / "cache") if p.startswith(".")] == []  # no tmp left
 
@@ -556,7 +557,7 @@ def test_cache_files_follow_the_umask(tmp_path):
             )
             dm.prepare_data()
             paths = [cache, *cache.glob("tokenizer-*.json"), Path(dm.data_dir), *cache.glob("*/*")]
-            assert len(paths) == 9  # the cache, a tokenizer, the entry and its 6 files
+            assert len(paths) == 8  # the cache, a tokenizer, the entry and its 5 files (no val shard)
             for path in paths:
                 want = (0o777 if path.is_dir() else 0o666) & ~umask
                 assert stat.S_IMODE(path.stat().st_mode) == want, (path, oct(path.stat().st_mode))

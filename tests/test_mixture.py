@@ -14,8 +14,9 @@ from conftest import TINY, run_cli
 
 from parallama.data import EpochIndexSampler, MixtureDataset, PackedDataset, TextDataModule, embedded, files
 from parallama.data.datasets import epoch_order
-from parallama.data.mixture import interleave, shares
+from parallama.data.mixture import shares
 from parallama.data.position import GENESIS, fold
+from parallama.data.sources import interleave
 from parallama.data.tokenizer import byte_level, train_bpe
 from parallama.errors import ConfigError
 

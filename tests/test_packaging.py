@@ -37,6 +37,7 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     for module, needle in [
         ("parallama.train", "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp"),
         ("parallama.evaluate", "ckpt_path: ???"),
+        ("parallama.prepare", "num_proc: null"),
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", module, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True

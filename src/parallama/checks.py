@@ -229,6 +229,7 @@ _RULES = {  # checked when the key exists (strategy keys only for the strategies
     "data.source.corpus": Rule(str, choices=("prose", "code")),
     "tokenizer.vocab_size": Rule(int, 260),  # 256 bytes + 4 specials
     "tokenizer.min_frequency": Rule(int, 1),
+    "tokenizer.train_documents": Rule(int, 1, allow=(None,)),
     "trainer.max_steps": Rule(int, 1, allow=(-1,)),
     "trainer.max_epochs": Rule(int, 1, allow=(-1, None)),
     "trainer.num_nodes": Rule(int, 1),

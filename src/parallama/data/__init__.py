@@ -1,4 +1,4 @@
-"""Data pipeline: document sources -> tokenizer -> cached token memmaps -> batches.
+"""Data pipeline: document sources -> tokenizer -> token cache (shards + index) -> batches.
 
 Names are imported on first use: the tools that only need a tokenizer (parallama-export, -generate) then do
 not load Lightning (datamodule) or `datasets` (sources), which take seconds to import.
@@ -8,6 +8,8 @@ from importlib import import_module
 
 _WHERE = {
     "TextDataModule": "datamodule",
+    **dict.fromkeys(("TokenCache", "CacheEntry"), "cache"),
+    "ShardedTokens": "shards",
     **dict.fromkeys(("PackedDataset", "PaddedDataset", "ResumableDistributedSampler"), "datasets"),
     **dict.fromkeys(("embedded", "files", "hub"), "sources"),
     **dict.fromkeys(("EpochIndexSampler", "MixtureDataset"), "mixture"),

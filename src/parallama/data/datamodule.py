@@ -1,93 +1,73 @@
-"""LightningDataModule: documents -> tokenizer -> cached token memmaps -> batches.
+"""LightningDataModule: documents -> tokenizer -> token cache (see `cache`) -> batches.
 
-Cache layout under `cache_dir` (all writes atomic, since several ranks or nodes may
-build the same entry at once; identical inputs give identical files; modes follow the
-umask, e.g. 0644/0755, so that a team can share one cache):
-
-    tokenizer-<hash>.json    trained BPE tokenizers (hash: source + tokenizer config)
-    <hash>/                  one tokenized corpus (hash: source + the tokenizer's own
-        train.bin, val.bin     JSON + val_fraction + seed); flat token ids, uint16/uint32
-        train.idx.npy, ...     int64 document start offsets plus the final end
-        meta.json              n_docs, n_tokens per split, dtype, vocab_size
-        tokenizer.json         the tokenizer that produced the ids
-
-"source" is its config plus its `fingerprint` (see `sources`): path, size and mtime_ns of
-each local file, the Python build for the embedded corpora; a Hub dataset has its config
-only, so delete its entry when the dataset changes. Editing a local file in place makes a
-new entry. `seq_len`, `packing`, `document_mask` and batch settings only affect loading, so they share an entry.
+`prepare_data` builds a missing cache entry in this process with the same code as `parallama-prepare`
+(resumable: a killed build continues where it stopped), so training on a corpus nobody prepared still works;
+`seq_len`, `packing`, `document_mask` and batch settings only affect loading, so they share an entry.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
 import logging
-import os
-import shutil
-import uuid
+import shlex
 from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property, partial
 
-import numpy as np
 import torch
 from lightning import LightningDataModule
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
+from parallama.data.cache import CacheEntry, TokenCache, load_tokenizer
+from parallama.data.cache import source_key as _source_key
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
-from parallama.data.mixture import EpochIndexSampler, MixtureDataset, interleave, mixture_sources, named
+from parallama.data.index import SPLITS
+from parallama.data.mixture import EpochIndexSampler, MixtureDataset
 from parallama.data.position import TrainPosition, saved_position
-from parallama.data.progress import Progress
-from parallama.data.tokenizer import SpecialIds, byte_level, encode_documents, special_ids
+from parallama.data.sources import interleave, mixture_key, mixture_sources, named
+from parallama.data.tokenizer import SpecialIds, byte_level, special_ids
 from parallama.errors import ConfigError
 
-SPLITS = ("train", "val")
 # What each source of a mixture shares with the mixture's data module (`parts`)
 PART_SETTINGS = (
     *("seq_len", "batch_size", "packing", "document_mask", "val_fraction"),
     *("num_workers", "cache_dir", "seed", "tokenize_batch_size"),
 )
-
 log = logging.getLogger("parallama")
+# Overrides that can change the cache entry, for the `parallama-prepare` command suggested when training builds it
+_ENTRY_KEYS = (
+    "data/",
+    "data.source",
+    "data.val_fraction",
+    "data.cache_dir",
+    "tokenizer",
+    "paths",
+    "seed",
+    "experiment",
+)
 
 
-def _spec(fn: Callable) -> str:
-    """Stable description of a (partial) callable; `repr(partial)` holds an address."""
-    func = getattr(fn, "func", fn)
-    args, kwargs = getattr(fn, "args", ()), getattr(fn, "keywords", {})
-    return f"{func.__module__}.{func.__qualname__}{tuple(args)!r}{sorted(kwargs.items())!r}"
+def _prepare_hint() -> str:
+    """The `parallama-prepare` command that builds this run's entry ahead: its own overrides, under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
 
-
-def _source_key(source: Callable) -> list:
-    """The source's config and what its documents depend on beyond it (its `fingerprint`, if any)."""
-    func = getattr(source, "func", source)
-    fingerprint = getattr(func, "fingerprint", None)
-    args, kwargs = getattr(source, "args", ()), getattr(source, "keywords", {})
-    return [_spec(source), fingerprint(*args, **kwargs) if fingerprint else None]
-
-
-def _hash(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
-
-
-def _tmp_path(parent: str, prefix: str) -> str:
-    """A fresh name to write to and then rename. Created with open()/mkdir, so the umask sets its mode
-    (tempfile.mkstemp/mkdtemp would force 0600/0700 and make a shared cache unreadable)."""
-    return os.path.join(parent, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
-def _open_tokens(path: str, dtype: str) -> np.ndarray:
-    # np.memmap refuses empty files (e.g. val.bin when val_fraction is 0)
-    return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    try:
+        overrides = HydraConfig.get().overrides.task
+    except ValueError:  # not run by Hydra
+        args = "<the same data/tokenizer overrides>"
+    else:
+        args = " ".join(shlex.quote(o) for o in overrides if o.lstrip("+~").startswith(_ENTRY_KEYS))
+    return (
+        " in this process; for big corpora build it ahead, in parallel and resumable: "
+        f"parallama-prepare {args}".rstrip()
+    )
 
 
 class TextDataModule(LightningDataModule):
     """Pretraining data. `batch_size` is per process: global batch = batch_size x data-parallel size.
 
     `source` and `tokenizer` are callables (Hydra `_partial_: true`); a tokenizer that
-    takes `texts` (e.g. `train_bpe`) is trained on all source documents. `sources` instead of `source`:
-    a weighted mixture, {name: {weight, source}} (see `mixture`).
+    takes `texts` (e.g. `train_bpe`) is trained on the source's documents (see `cache.load_tokenizer`).
+    `sources` instead of `source`: a weighted mixture, {name: {weight, source}} (see `mixture`).
     """
 
     def __init__(
@@ -124,9 +104,8 @@ class TextDataModule(LightningDataModule):
         self.val_fraction, self.num_workers, self.seed = val_fraction, num_workers, seed
         self.cache_dir, self.tokenize_batch_size = cache_dir, tokenize_batch_size
         self.index_log = index_log  # rank 0 appends each trained global batch's sample indices (JSON lines)
-        self._trains = "texts" in inspect.signature(tokenizer).parameters
         # also finds missing or unreadable paths before any work
-        self._source_key = self._mixture_key() if self.mixture else _source_key(source)
+        self._source_key = mixture_key(self.mixture) if self.mixture else _source_key(source)
         if self.mixture:  # what a trained tokenizer reads; the token cache has an entry per source (`parts`)
             self.source = partial(interleave, self.mixture)
         self._resume_state: dict | None = None
@@ -135,32 +114,18 @@ class TextDataModule(LightningDataModule):
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        if not self._trains:
-            return self.tokenizer_fn()
-        path = os.path.join(
-            self.cache_dir, f"tokenizer-{_hash(self._source_key, _spec(self.tokenizer_fn))}.json"
-        )
-        if os.path.exists(path):
-            log.info(f"reusing tokenizer {path}")
-            return Tokenizer.from_file(path)
-        log.info(f"training tokenizer {path}")
-        with Progress("training tokenizer", unit="chars") as progress:
-            tok = self.tokenizer_fn(texts=progress.counted(self.source()))
-        os.makedirs(self.cache_dir, exist_ok=True)
-        tmp = _tmp_path(self.cache_dir, ".tokenizer-")
-        try:
-            tok.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return tok
+        return load_tokenizer(self.source, self.tokenizer_fn, self.cache_dir, self._source_key)
 
     @cached_property
+    def cache(self) -> TokenCache:
+        return TokenCache(
+            self.source, self.tokenizer, self.cache_dir, self.val_fraction, self.seed, self._source_key
+        )
+
+    @property
     def data_dir(self) -> str:
         """The token cache entry: keyed on the tokenizer itself, so an edited tokenizer file gets a new one."""
-        tok = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
-        return os.path.join(self.cache_dir, _hash(self._source_key, tok, self.val_fraction, self.seed))
+        return self.cache.path
 
     @property
     def vocab_size(self) -> int:
@@ -171,61 +136,18 @@ class TextDataModule(LightningDataModule):
         return special_ids(self.tokenizer)
 
     def prepare_data(self) -> None:
-        """Tokenize every document to [BOT] + ids + [EOT] and split by document."""
+        """Tokenize every document to [BOT] + ids + [EOT] and split by document, unless the entry exists."""
         if self.mixture:
             return self._prepare_mixture()
-        if os.path.isdir(self.data_dir):
-            meta = self._meta()
-            log.info(
-                f"reusing token cache {self.data_dir}: {sum(meta['n_docs'].values()):,} docs, "
-                f"{sum(meta['n_tokens'].values()):,} tokens"
-            )
-            return
-        log.info(f"building token cache {self.data_dir}")
-        os.makedirs(self.cache_dir, exist_ok=True)
-        tmp = _tmp_path(self.cache_dir, f".{os.path.basename(self.data_dir)}-")
-        os.mkdir(tmp)
-        try:
-            self._build(tmp)
-            os.rename(tmp, self.data_dir)
-        except OSError:
-            if not os.path.isdir(self.data_dir):  # not a lost race with another builder
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        self._entry()
+
+    def _entry(self) -> CacheEntry:
+        """Built in this process (the tokenizer's own threads use the cores); `parallama-prepare` builds the same
+        entry with several processes or nodes. Ranks that did not build it find it complete."""
+        return self.cache.build_or_open(batch_size=self.tokenize_batch_size, note=_prepare_hint())
 
     def _meta(self) -> dict:
-        with open(os.path.join(self.data_dir, "meta.json")) as f:
-            return json.load(f)
-
-    def _build(self, out: str) -> None:
-        tok = self.tokenizer
-        dtype = np.dtype(np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32)
-        all_path = os.path.join(out, "all.bin")
-        with open(all_path, "wb") as f, Progress("tokenizing") as progress:
-            lengths = encode_documents(tok, self.source(), f, dtype, progress, self.tokenize_batch_size)
-        n_docs = len(lengths)
-        if n_docs == 0:
-            raise ConfigError("data.source yielded no documents")
-        n_val = max(1, round(self.val_fraction * n_docs)) if self.val_fraction > 0 and n_docs >= 2 else 0
-        n_val = min(n_val, n_docs - 1)
-        perm = np.random.default_rng(self.seed).permutation(n_docs)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        tokens = _open_tokens(all_path, dtype.name)
-        meta = {"n_docs": {}, "n_tokens": {}, "dtype": dtype.name, "vocab_size": tok.get_vocab_size()}
-        for split, docs_idx in (("train", perm[n_val:]), ("val", perm[:n_val])):
-            docs_idx = np.sort(docs_idx)  # keep source order within a split
-            with open(os.path.join(out, f"{split}.bin"), "wb") as f:
-                for d in docs_idx:
-                    f.write(tokens[offsets[d] : offsets[d + 1]].tobytes())
-            split_offsets = np.concatenate([[0], np.cumsum(offsets[docs_idx + 1] - offsets[docs_idx])])
-            np.save(os.path.join(out, f"{split}.idx.npy"), split_offsets.astype(np.int64))
-            meta["n_docs"][split], meta["n_tokens"][split] = len(docs_idx), int(split_offsets[-1])
-        del tokens
-        os.remove(all_path)
-        tok.save(os.path.join(out, "tokenizer.json"))
-        with open(os.path.join(out, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+        return CacheEntry(self.data_dir).index
 
     def setup(self, stage: str | None = None) -> None:
         """Open the cached splits; builds the cache when used outside a Trainer. For `fit`, checks that
@@ -234,17 +156,15 @@ class TextDataModule(LightningDataModule):
             return
         if self.mixture:
             return self._setup_mixture(stage)
-        if not os.path.isdir(self.data_dir):
-            self.prepare_data()
-        meta = self._meta()
+        entry = self.cache.open() or self._entry()
+        meta = entry.index
         for split in SPLITS:
-            path = os.path.join(self.data_dir, split)
-            tokens = _open_tokens(f"{path}.bin", meta["dtype"])
+            tokens = entry.tokens(split)
             if self.packing:
                 specials = self.special_ids if self.document_mask else None
                 self.datasets[split] = PackedDataset(tokens, self.seq_len, specials)
             else:
-                offsets = np.load(f"{path}.idx.npy")
+                offsets = entry.doc_offsets(split)
                 self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)
         world = self._world()[0]
         need = self.batch_size * world if stage == "fit" else 1
@@ -334,7 +254,7 @@ class TextDataModule(LightningDataModule):
             "data.seq_len": self.seq_len,
             "data.packing": self.packing,
             "data.val_fraction": self.val_fraction,
-            **(self._mixture_order() if self.mixture else {"token cache": os.path.basename(self.data_dir)}),
+            **(self._mixture_order() if self.mixture else {"token cache": self.cache.name}),
         }
 
     def check_resume(self, saved: dict, source: str) -> None:
@@ -357,14 +277,6 @@ class TextDataModule(LightningDataModule):
         return self._loader("val", sampler, drop_last=False)
 
     # --- mixtures (data.sources) ---------------------------------------------------------------------------
-
-    def _mixture_key(self) -> list:
-        """What a tokenizer trained on the mixture depends on: every source's key and the weights."""
-        keys = []
-        for name, (weight, source) in sorted(self.mixture.items()):
-            with named(name):
-                keys.append([name, weight, _source_key(source)])
-        return ["mixture", keys]
 
     @cached_property
     def parts(self) -> dict[str, TextDataModule]:
@@ -414,6 +326,6 @@ class TextDataModule(LightningDataModule):
         return {
             "data.sources": {name: weight for name, (weight, _) in sorted(self.mixture.items())},
             "token cache": ", ".join(
-                f"{name}={os.path.basename(part.data_dir)}" for name, part in sorted(self.parts.items())
+                f"{name}={part.cache.name}" for name, part in sorted(self.parts.items())
             ),
         }

@@ -1,16 +1,15 @@
 """Weighted mixtures of several document sources (`data.sources`, docs/data.md "Mixtures").
 
-Each source keeps its own token cache entry and dataset; `MixtureDataset` presents them as one map-style dataset
+The config side (`data.sources`, the tokenizer's document stream, the cache key) is in `sources`, which
+`parallama-prepare` reads without torch. Each source keeps its own token cache entry and dataset; `MixtureDataset` presents them as one map-style dataset
 with a fixed number of items per epoch, each source holding its weight's share of them. The train sampler permutes
 it like any dataset, so the data position, the trained-sample hash and the resume checks apply unchanged.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -18,61 +17,6 @@ from torch.utils.data import Dataset
 
 from parallama.data.datasets import ResumableDistributedSampler, epoch_order
 from parallama.errors import ConfigError
-
-Mixture = dict[str, tuple[float, Callable[[], Iterable[str]]]]  # name -> (weight as configured, source)
-ENTRY = "{weight: <number > 0>, source: <a data/source config>}"
-
-
-def mixture_sources(source: Callable | None, sources: Mapping | None) -> Mixture | None:
-    """The mixture `data.sources` configures, or None for the single `data.source`. Weights stay as configured
-    (only their ratios matter: users read them back in resume errors). Each bad setting is a one-line
-    ConfigError naming its key."""
-    if sources is None:
-        if source is None:
-            raise ConfigError(
-                "data.source is not set: choose one (data/source=embedded, files, hub or fineweb) "
-                "or mix several with data.sources"
-            )
-        return None
-    if source is not None:
-        raise ConfigError(
-            "data.source and data.sources are both set: mixing takes data.sources alone; drop data.source "
-            "(`~data/source` on the command line, `override /data/source: null` in an experiment, as "
-            "experiment=mixture does) or set data.sources=null"
-        )
-    if not isinstance(sources, Mapping) or not sources:
-        raise ConfigError(f"data.sources={sources!r} is not valid; give {{name: {ENTRY}, ...}} or null")
-    mixture: Mixture = {}
-    for name, entry in sources.items():
-        key = f"data.sources.{name}"
-        if not isinstance(entry, Mapping) or set(entry) != {"weight", "source"}:
-            has = sorted(entry) if isinstance(entry, Mapping) else repr(entry)
-            raise ConfigError(f"{key} must be {ENTRY}; it has {has}")
-        weight = entry["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
-            raise ConfigError(
-                f"{key}.weight={weight!r} is not valid; use a number > 0 (weights are normalized to sum to 1)"
-            )
-        if not callable(entry["source"]):
-            raise ConfigError(
-                f"{key}.source is not a source; give a data/source config (its _target_ with _partial_: true)"
-            )
-        mixture[str(name)] = (float(weight), entry["source"])
-    return mixture
-
-
-def interleave(mixture: Mixture) -> Iterator[str]:
-    """The documents a tokenizer is trained on for a mixture: each next one from the source furthest below its
-    weight's share of the characters so far (ties: by name), until the first source runs out."""
-    streams = {name: iter(mixture[name][1]()) for name in sorted(mixture)}
-    chars = dict.fromkeys(streams, 0)
-    while True:
-        name = min(streams, key=lambda n: chars[n] / mixture[n][0])
-        doc = next(streams[name], None)
-        if doc is None:
-            return
-        chars[name] += len(doc) + 1  # + 1: empty documents count too
-        yield doc
 
 
 def shares(weights: np.ndarray, n: int) -> np.ndarray:
@@ -167,12 +111,3 @@ class EpochIndexSampler(ResumableDistributedSampler):
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = self.epoch  # the epoch the sampler's order is of (set_epoch or start_at set it)
         return ((epoch, i) for i in super().__iter__())
-
-
-@contextmanager
-def named(name: str) -> Iterator[None]:
-    """Errors about one source of a mixture say which: `data.sources.<name>: ...`."""
-    try:
-        yield
-    except (ConfigError, FileNotFoundError) as err:
-        raise type(err)(f"data.sources.{name}: {err}") from err

@@ -5,22 +5,27 @@ the datamodule can take one pass to train a tokenizer and another to tokenize.
 Errors are raised eagerly where possible and are one line naming the config key and
 the file (and record). A source's `fingerprint` attribute, called with the same
 arguments, returns what its documents depend on beyond the config: the token cache
-key includes it, so changed inputs get a new cache entry.
+key includes it, so changed inputs get a new cache entry. Its `num_documents` attribute
+returns how many documents to expect, or None (only progress lines use it, for an ETA).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import logging
+import math
 import os
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from datasets import load_dataset
 
+from parallama.data.cache import source_key
 from parallama.errors import ConfigError
 
 CORPORA = ("prose", "code")
@@ -50,9 +55,23 @@ def _embedded_fingerprint(corpus: str = "prose", max_documents: int | None = Non
     return [sys.version]
 
 
+def _embedded_count(corpus: str = "prose", max_documents: int | None = None) -> int | None:
+    if corpus not in CORPORA:
+        return None
+    if corpus == "prose":
+        from pydoc_data.topics import topics
+
+        n = len(topics)
+    else:
+        n = len(_stdlib_sources())
+    return min(n, max_documents) if max_documents is not None else n
+
+
 embedded.fingerprint = _embedded_fingerprint
+embedded.num_documents = _embedded_count
 
 
+@functools.cache  # the stdlib does not change while we run; the scan takes a second
 def _stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = (p for p in root.rglob("*.py") if not _NOT_CODE & set(p.relative_to(root).parts[:-1]))
@@ -76,7 +95,30 @@ def _files_fingerprint(
     return [[os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in _match(paths)]
 
 
+def _files_count(
+    paths: str | list[str], text_key: str = "text", max_documents: int | None = None
+) -> int | None:
+    """Exact where cheap: one per .txt/.md file, parquet row counts from the footer, jsonl line counts (a
+    read at disk speed); a .json array makes it unknown."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in _match(paths):
+        ext = _ext(path)
+        if BUILDERS[ext] == "text":
+            total += 1
+        elif ext == ".parquet":
+            total += pq.ParquetFile(path).metadata.num_rows
+        elif ext == ".jsonl":
+            with open(path, "rb") as f:
+                total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+        else:
+            return max_documents
+    return min(total, max_documents) if max_documents is not None else total
+
+
 files.fingerprint = _files_fingerprint
+files.num_documents = _files_count
 
 
 def _match(paths: str | list[str]) -> list[str]:
@@ -169,3 +211,94 @@ def hub(
         ds = ds.select_columns([text_key])  # skip decoding the other columns
     docs = (_text(row.get(text_key), text_key, name, record) for record, row in enumerate(ds, 1))
     return itertools.islice(docs, max_documents)
+
+
+def _hub_count(
+    name: str,
+    config_name: str | None = None,
+    split: str = "train",
+    text_key: str = "text",
+    streaming: bool = True,
+    max_documents: int | None = None,
+) -> int | None:
+    """Only a cap is known without asking the Hub."""
+    return max_documents
+
+
+hub.num_documents = _hub_count
+
+
+# --- mixtures of sources (`data.sources`; the datasets that mix them: `mixture`) --------------------------------
+
+Mixture = dict[str, tuple[float, Callable[[], Iterable[str]]]]  # name -> (weight as configured, source)
+ENTRY = "{weight: <number > 0>, source: <a data/source config>}"
+
+
+def mixture_sources(source: Callable | None, sources: Mapping | None) -> Mixture | None:
+    """The mixture `data.sources` configures, or None for the single `data.source`. Weights stay as configured
+    (only their ratios matter: users read them back in resume errors). Each bad setting is a one-line
+    ConfigError naming its key."""
+    if sources is None:
+        if source is None:
+            raise ConfigError(
+                "data.source is not set: choose one (data/source=embedded, files, hub or fineweb) "
+                "or mix several with data.sources"
+            )
+        return None
+    if source is not None:
+        raise ConfigError(
+            "data.source and data.sources are both set: mixing takes data.sources alone; drop data.source "
+            "(`~data/source` on the command line, `override /data/source: null` in an experiment, as "
+            "experiment=mixture does) or set data.sources=null"
+        )
+    if not isinstance(sources, Mapping) or not sources:
+        raise ConfigError(f"data.sources={sources!r} is not valid; give {{name: {ENTRY}, ...}} or null")
+    mixture: Mixture = {}
+    for name, entry in sources.items():
+        key = f"data.sources.{name}"
+        if not isinstance(entry, Mapping) or set(entry) != {"weight", "source"}:
+            has = sorted(entry) if isinstance(entry, Mapping) else repr(entry)
+            raise ConfigError(f"{key} must be {ENTRY}; it has {has}")
+        weight = entry["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ConfigError(
+                f"{key}.weight={weight!r} is not valid; use a number > 0 (weights are normalized to sum to 1)"
+            )
+        if not callable(entry["source"]):
+            raise ConfigError(
+                f"{key}.source is not a source; give a data/source config (its _target_ with _partial_: true)"
+            )
+        mixture[str(name)] = (float(weight), entry["source"])
+    return mixture
+
+
+def interleave(mixture: Mixture) -> Iterator[str]:
+    """The documents a tokenizer is trained on for a mixture: each next one from the source furthest below its
+    weight's share of the characters so far (ties: by name), until the first source runs out."""
+    streams = {name: iter(mixture[name][1]()) for name in sorted(mixture)}
+    chars = dict.fromkeys(streams, 0)
+    while True:
+        name = min(streams, key=lambda n: chars[n] / mixture[n][0])
+        doc = next(streams[name], None)
+        if doc is None:
+            return
+        chars[name] += len(doc) + 1  # + 1: empty documents count too
+        yield doc
+
+
+def mixture_key(mixture: Mixture) -> list:
+    """What a tokenizer trained on the mixture depends on: every source's key and the weights."""
+    keys = []
+    for name, (weight, source) in sorted(mixture.items()):
+        with named(name):
+            keys.append([name, weight, source_key(source)])
+    return ["mixture", keys]
+
+
+@contextmanager
+def named(name: str) -> Iterator[None]:
+    """Errors about one source of a mixture say which: `data.sources.<name>: ...`."""
+    try:
+        yield
+    except (ConfigError, FileNotFoundError) as err:
+        raise type(err)(f"data.sources.{name}: {err}") from err

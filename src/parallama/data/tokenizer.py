@@ -7,6 +7,7 @@ mark document boundaries and padding: see `special_ids`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -62,14 +63,21 @@ def byte_level() -> Tokenizer:
     return _byte_level_pipeline(tok)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, train_documents: int | None = None
+) -> Tokenizer:
     """Byte-level BPE as in the source article: specials get ids 0..3, then the 256
-    byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus. Long texts are
-    fed in `chunks` (same word counts, so the same tokenizer) to bound the trainer's memory."""
+    byte symbols, then merges up to `vocab_size`. Deterministic for a given corpus. Trained on the first
+    `train_documents` texts (None: all): a sample is enough for the merges, and a web-scale corpus would take
+    hours and the trainer's memory grows with the distinct words seen. Long texts are fed in `chunks` (same
+    word counts, so the same tokenizer) to bound the trainer's memory."""
     if vocab_size < len(SPECIALS) + 256:
         raise ConfigError(
             f"tokenizer.vocab_size={vocab_size} must be >= {len(SPECIALS) + 256} (specials + 256 bytes)"
         )
+    if train_documents is not None and train_documents < 1:
+        raise ConfigError(f"tokenizer.train_documents={train_documents} must be >= 1 (or null for all)")
+    texts = itertools.islice(texts, train_documents)
     tok = _byte_level_pipeline(Tokenizer(models.BPE(unk_token=UNK)))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

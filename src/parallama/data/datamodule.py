@@ -110,6 +110,7 @@ class TextDataModule(LightningDataModule):
             self.source = partial(interleave, self.mixture)
         self._resume_state: dict | None = None
         self.position: TrainPosition | None = None  # set with the train loader
+        self._logged_position: tuple[int, int] | None = None
         self.datasets: dict[str, Dataset] = {}
 
     @cached_property
@@ -229,7 +230,9 @@ class TextDataModule(LightningDataModule):
         if self.trainer is None or self.position is None:
             return {}
         state = {**self.position.state(self.trainer), **self._order()}
-        if self._world()[1] == 0:
+        where = (state["epoch"], state["global_consumed"])
+        if self._world()[1] == 0 and where != self._logged_position:  # once, not per checkpoint of a step
+            self._logged_position = where
             log.info(
                 f"data position: epoch {state['epoch']}, sample {state['global_consumed']:,}; "
                 + self.position.summary()

@@ -269,6 +269,7 @@ def test_experiments(tmp_path: Path, data_cache) -> None:
     run_sh_command(command, data_cache, tmp_path)
 
 
+@pytest.mark.slow  # as in LHT; test_sweeps.py runs multirun (ddp, ddp_spawn, deepspeed) in the default suite
 def test_hydra_sweep(tmp_path: Path, data_cache) -> None:
     command = [
         "-m",
@@ -294,6 +295,7 @@ def test_hydra_sweep_ddp_sim(tmp_path: Path, data_cache) -> None:
     run_sh_command(command, data_cache, tmp_path)
 
 
+@pytest.mark.slow  # as in LHT; test_sweeps.py runs Optuna trials under ddp in the default suite
 def test_optuna_sweep(tmp_path: Path, data_cache) -> None:
     command = [
         "-m",

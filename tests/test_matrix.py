@@ -11,7 +11,9 @@ from __future__ import annotations
 import csv
 
 import pytest
-from conftest import run_cli, train
+from conftest import train
+
+from parallama.export import export
 
 CASES = {
     "fsdp_mixed_precision_bf16": ["strategy=fsdp", "strategy.mixed_precision=bf16", "logger=many"],
@@ -35,12 +37,9 @@ def test_trains_validates_samples_and_exports(case, tmp_path, data_cache):
     if (run / "csv").exists():
         with open(run / "csv" / "metrics.csv") as f:
             assert max(int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]) == 2  # after the 3rd step
-    run_cli(
-        "parallama.export",
-        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
-        f"out_dir={tmp_path / 'hf'}",
-        cwd=tmp_path,
-    )
+    export(
+        [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"out_dir={tmp_path / 'hf'}"]
+    )  # in this process
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 

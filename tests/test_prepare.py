@@ -193,7 +193,12 @@ def test_prepare_builds_the_entry_training_would_build(tmp_path, caplog):
 
 
 def test_a_mixture_is_prepared_source_by_source_with_the_mixtures_tokenizer(tmp_path, caplog):
-    overrides = ["experiment=mixture", "tokenizer=bpe", "tokenizer.vocab_size=300", f"paths.cache_dir={tmp_path}"]
+    overrides = [
+        "experiment=mixture",
+        "tokenizer=bpe",
+        "tokenizer.vocab_size=300",
+        f"paths.cache_dir={tmp_path}",
+    ]
     overrides += ["data.sources.code.source.max_documents=5", "data.sources.prose.source.max_documents=8"]
     prepared = compose_and_prepare(overrides)
     caplog.set_level(logging.INFO, logger="parallama")

@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -50,14 +51,17 @@ def finished(tmp_path_factory, data_cache):
     return tmp / "run"
 
 
-def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data_cache):
-    """The end-of-run checkpoint is taken at the last step, so a higher max_steps continues the same epoch."""
+def test_extending_a_finished_run_in_its_directory_equals_running_longer(finished, tmp_path, data_cache):
+    """The end-of-run checkpoint is taken at the last step, so a higher max_steps continues the same epoch; resumed
+    in its own directory (`ckpt_path=last`), the run appends to its metrics history."""
     train(*CONSTANT_LR, "trainer.max_steps=12", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "straight")
     extended = tmp_path / "extended"
+    shutil.copytree(finished, extended)
+    before = {int(r["step"]) for r in rows(extended) if r["train/loss"]}
     proc = train(
         *CONSTANT_LR,
         "trainer.max_steps=12",
-        f"ckpt_path={finished / 'checkpoints' / 'last.ckpt'}",
+        "ckpt_path=last",
         cwd=tmp_path,
         cache=data_cache,
         run_dir=extended,
@@ -68,15 +72,8 @@ def test_extending_a_finished_run_equals_running_longer(finished, tmp_path, data
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
-
-
-def test_resume_in_the_same_directory_appends_to_the_metrics(finished, tmp_path, data_cache):
-    run = tmp_path / "run"
-    train(*CONSTANT_LR, "trainer.max_steps=6", cwd=tmp_path, cache=data_cache, run_dir=run)
-    before = {int(r["step"]) for r in rows(run) if r["train/loss"]}
-    train(*CONSTANT_LR, "trainer.max_steps=9", "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)
-    after = {int(r["step"]) for r in rows(run) if r["train/loss"]}
-    assert before == set(range(6)) and after == set(range(9))  # the first run's history is kept
+    after = {int(r["step"]) for r in rows(extended) if r["train/loss"]}
+    assert before == set(range(6)) and after == set(range(12))  # the first run's history is kept
 
 
 def test_a_new_lr_applies_on_resume(finished, tmp_path, data_cache):

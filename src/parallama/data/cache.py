@@ -40,9 +40,8 @@ from parallama.data.shards import ShardedTokens
 from parallama.errors import ConfigError
 
 SHARD_TOKENS = 100_000_000  # 200 MB shards at uint16
-PART_CHARS = (
-    4_000_000  # characters per part: the work a kill can lose per process, the text in flight per worker
-)
+# Characters per part: the work a kill can lose per process, the text in flight per worker.
+PART_CHARS = 4_000_000
 STEPS = ("all", "parts", "index")
 
 log = logging.getLogger("parallama")

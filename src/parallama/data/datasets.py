@@ -133,9 +133,7 @@ class ResumableDistributedSampler(DistributedSampler):
             dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
         self._start: tuple[int, int] | None = None  # (epoch, global position) to start from once
-        self._order: tuple[int, np.ndarray] | None = (
-            None  # the last epoch's order, kept for the position checks
-        )
+        self._order: tuple[int, np.ndarray] | None = None  # the last epoch's order, for the position checks
 
     def order(self, epoch: int) -> np.ndarray:
         """Sample index at each global position of `epoch`."""

@@ -242,7 +242,8 @@ def test_progress_gives_the_share_done_and_an_eta(caplog):
         ),
         (
             ["prepare.num_procs=2"],
-            "unknown config key 'prepare.num_procs' (did you mean 'prepare.num_proc'?)",
+            "unknown config key 'prepare.num_procs' (did you mean 'prepare.num_proc'?); "
+            "to add a new key write +prepare.num_procs=...",
         ),
     ],
 )

@@ -95,7 +95,10 @@ def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
     ]
 
 
-def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
+def compose_job(config_name: str, overrides: list[str], valid_keys: str | None = None) -> DictConfig:
+    """The job config Hydra composes for `overrides` (inside `initialize_config_dir`), its `hydra` node set aside
+    once ${hydra:...} can resolve; Hydra's error in one line otherwise. `valid_keys`: list them for an unknown
+    key (tools with a few top-level keys) instead of suggesting `+key=`."""
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -105,10 +108,15 @@ def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
         cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         message = f"{err}\n{err.__cause__ or ''}"
-        raise ConfigError(_one_line(message, lambda: compose(config_name))) from None
+        raise ConfigError(_one_line(message, lambda: compose(config_name), valid_keys)) from None
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]
+    return cfg
+
+
+def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
+    cfg = compose_job(config_name, overrides)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing and not printing:
         raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
@@ -116,13 +124,15 @@ def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
         check_config(cfg, hardware=not printing)
 
 
-def _one_line(message: str, compose_defaults: Callable[[], DictConfig]) -> str:
+def _one_line(message: str, compose_defaults: Callable[[], DictConfig], valid_keys: str | None = None) -> str:
     """Hydra's error in one line. `compose_defaults` gives the config without overrides, for "did you mean";
     it is called only for an unknown key, an override error, so the config files themselves compose."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if (match := re.match(r"Could not override '([^']+)'", lines[0])) and "not in struct" in message:
         key = match.group(1)
         suggestion = _did_you_mean(key, compose_defaults())
+        if valid_keys:
+            return f"unknown or invalid key '{key}'{suggestion}; valid keys: {valid_keys}"
         return f"unknown config key '{key}'{suggestion}; to add a new key write +{key}=..."
     if match := re.search(r"Could not find '([^']+)'", lines[0]):
         group, _, option = match.group(1).rpartition("/")

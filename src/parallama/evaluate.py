@@ -13,14 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.checkpoint import load_checkpoint, load_state_into, run_config, run_config_path
@@ -137,30 +136,14 @@ def source_alias(argv: list[str]) -> list[str]:
 
 def preflight(argv: list[str]) -> None:
     """Compose as Hydra will, so that a typo is one line (Hydra's own flags such as --help are left to it)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from hydra import initialize_config_dir
 
-    from parallama.checks import _did_you_mean, _one_line
+    from parallama.checks import compose_job
 
     if any(arg.startswith("-") for arg in argv):
         return
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose("eval", overrides=argv, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as err:
-            message = f"{err}\n{err.__cause__ or ''}"
-            if (match := re.match(r"Could not override '([^']+)'", message)) and "not in struct" in message:
-                key = match.group(1)
-                suggestion = _did_you_mean(key, compose("eval"))
-                raise ConfigError(
-                    f"unknown or invalid key '{key}'{suggestion}; valid keys: {TOP_KEYS}"
-                ) from None
-            raise ConfigError(_one_line(message, lambda: compose("eval"))) from None
-    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
-    with open_dict(cfg):
-        del cfg["hydra"]
+        cfg = compose_job("eval", argv, valid_keys=TOP_KEYS)
     if missing := sorted(OmegaConf.missing_keys(cfg)):
         raise ConfigError(f"{missing[0]}= is required: add {missing[0]}=<value>")
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 from contextlib import nullcontext
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
-from parallama.checks import _RULES, Rule, _did_you_mean, _one_line, _show
+from parallama.checks import _RULES, Rule, _show, compose_job
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 
@@ -81,6 +80,7 @@ def prepare(cfg: DictConfig) -> list:
         return []
     num_proc = p.num_proc or cores()
     where = f" on node {p.node_rank} of {p.num_nodes}" if p.num_nodes > 1 else ""
+    note = "" if p.step == "index" else f" with {num_proc} process{'es' if num_proc > 1 else ''}{where}"
     entries = []
     for name, source in sources.items():
         with named(name) if name else nullcontext():
@@ -95,9 +95,7 @@ def prepare(cfg: DictConfig) -> list:
                 part_chars=p.part_chars,
                 shard_tokens=p.shard_tokens,
                 batch_size=data.get("tokenize_batch_size", 1000),
-                note=""
-                if p.step == "index"
-                else f" with {num_proc} process{'es' if num_proc > 1 else ''}{where}",
+                note=note,
             )
         label = f"{name}: " if name else ""
         if entry is not None:
@@ -114,27 +112,12 @@ def prepare(cfg: DictConfig) -> list:
 
 def preflight(argv: list[str]) -> None:
     """Compose and check as Hydra will, so that a typo is one line (Hydra's own flags are left to it)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from hydra import initialize_config_dir
 
     if any(arg.startswith("-") for arg in argv):
         return
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose("prepare", overrides=argv, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as err:
-            message = f"{err}\n{err.__cause__ or ''}"
-            if (match := re.match(r"Could not override '([^']+)'", message)) and "not in struct" in message:
-                key = match.group(1)
-                raise ConfigError(
-                    f"unknown config key '{key}'{_did_you_mean(key, compose('prepare'))}"
-                ) from None
-            raise ConfigError(_one_line(message, lambda: compose("prepare"))) from None
-    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
-    with open_dict(cfg):
-        del cfg["hydra"]
+        cfg = compose_job("prepare", argv)
     if missing := sorted(k for k in OmegaConf.missing_keys(cfg) if k.startswith(("data.", "tokenizer."))):
         raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
     check(cfg)

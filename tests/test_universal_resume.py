@@ -4,6 +4,9 @@ One chain of cross-strategy resumes, 2 optimizer steps per link, each link a dif
 
     ddp@2 -> deepspeed ZeRO-3@1 -> fsdp@2 -> ddp_sharded@1 -> deepspeed ZeRO-2@2 -> ddp@1   (steps 2, 4, ..., 12)
 
+and a branch: ddp_sharded@1's checkpoint converted offline to a DeepSpeed ZeRO-1 folder for 2 ranks, which
+DeepSpeed then loads natively (ZeRO-1 under DeepSpeed and `parallama-ckpt convert format=deepspeed`).
+
 Every link's end is compared with an uninterrupted ddp run at the link's world size at the same step (weights and
 AdamW moments to 1e-5, step and token counters, the running hash of trained samples), and the chain's index logs
 together must be the reference's samples in the same order, each once. The global batch stays 4 (2 ranks x 2 or
@@ -34,6 +37,7 @@ QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sampl
 STRATEGY = {
     "ddp": ["strategy=ddp"],
     "ddp_sharded": ["strategy=ddp_sharded"],
+    "ds1": ["strategy=deepspeed", "strategy.stage=1"],
     "ds2": ["strategy=deepspeed", "strategy.stage=2"],
     "ds3": ["strategy=deepspeed", "strategy.stage=3"],
     "fsdp": ["strategy=fsdp"],
@@ -81,17 +85,7 @@ def runs(tmp_path_factory, data_cache) -> dict:
     return out
 
 
-def _indices(path) -> list[int]:
-    return [i for line in path.read_text().splitlines() for i in json.loads(line)["indices"]]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("link,a,m,b,n", LINKS, ids=[f"{a}{m}-{b}{n}" for _, a, m, b, n in LINKS])
-def test_a_run_continues_under_another_strategy_and_world_size(runs, link, a, m, b, n):
-    tmp, step = runs["dir"], LINK_STEPS * (link + 1)
-    assert f"resuming a {STRATEGY[a][0].split('=')[1]} checkpoint (world size {m})" in runs["log"][link]
-    got = universal.read(tmp / _name(link) / "checkpoints" / "last.ckpt")
-    want = universal.read(tmp / f"ref{n}" / "checkpoints" / f"step{step:07d}.ckpt")
+def _assert_at_reference_step(got, want, step: int) -> None:
     assert got.client["global_step"] == want.client["global_step"] == step
     assert got.client["tokens_seen"] == want.client["tokens_seen"]
     for name, tensor in want.model.items():
@@ -103,14 +97,27 @@ def test_a_run_continues_under_another_strategy_and_world_size(runs, link, a, m,
                 got.optimizer["state"][name][key], moments[key], atol=TOLERANCE, rtol=0
             )
         assert float(got.optimizer["state"][name]["step"]) == float(moments["step"]) == step
+    assert got.client["TextDataModule"]["trained_hash"] == want.client["TextDataModule"]["trained_hash"]
+    assert got.client["TextDataModule"]["trained_samples"] == step * 4
+
+
+def _indices(path) -> list[int]:
+    return [i for line in path.read_text().splitlines() for i in json.loads(line)["indices"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("link,a,m,b,n", LINKS, ids=[f"{a}{m}-{b}{n}" for _, a, m, b, n in LINKS])
+def test_a_run_continues_under_another_strategy_and_world_size(runs, link, a, m, b, n):
+    tmp, step = runs["dir"], LINK_STEPS * (link + 1)
+    assert f"resuming a {STRATEGY[a][0].split('=')[1]} checkpoint (world size {m})" in runs["log"][link]
+    got = universal.read(tmp / _name(link) / "checkpoints" / "last.ckpt")
+    want = universal.read(tmp / f"ref{n}" / "checkpoints" / f"step{step:07d}.ckpt")
+    _assert_at_reference_step(got, want, step)
 
     # The data position: the same global samples in the same order, each once, and the same running hash.
     trained = [i for k in range(link + 1) for i in _indices(tmp / f"{_name(k)}.jsonl")]
     assert trained == _indices(tmp / f"ref{n}.jsonl")[: len(trained)]
     assert len(set(trained)) == len(trained) == step * 4
-    position = got.client["TextDataModule"]
-    assert position["trained_hash"] == want.client["TextDataModule"]["trained_hash"]
-    assert position["trained_samples"] == step * 4
     assert "samples per optimizer step" not in runs["log"][link]  # the global batch stayed 4: no warning
 
 
@@ -141,3 +148,42 @@ def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_s
     )
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
     assert "exists" in refused.stderr
+
+
+@pytest.mark.multiprocess
+def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs, tmp_path, data_cache):
+    """ddp_sharded@1's step-8 file -> a ZeRO-1 folder for 2 ranks, written by DeepSpeed: the same state read
+    back, recorded as DeepSpeed's own, and a ZeRO-1@2 run resumes it natively (no universal path) to step 10
+    equal to the uninterrupted reference."""
+    source = runs["dir"] / _name(3) / "checkpoints" / "last.ckpt"
+    out = tmp_path / "zero1"
+    args = [f"src={source}", f"out={out}", "format=deepspeed", "devices=2", "stage=1"]
+    run_cli("parallama.convert", *args, cwd=tmp_path)
+    assert universal.writer_info(out) == {
+        "format": "deepspeed",
+        "strategy": "deepspeed",
+        "world_size": 2,
+        "stage": 1,
+        "offload": False,
+        "precision": "32-true",
+    }
+    before, after = universal.read(source), universal.read(out)
+    assert all(torch.equal(after.model[k], before.model[k].float()) for k in before.model)
+    for name, moments in before.optimizer["state"].items():
+        assert all(
+            torch.equal(after.optimizer["state"][name][k], moments[k]) for k in ("exp_avg", "exp_avg_sq")
+        )
+    assert {k: v for k, v in after.client.items() if k != universal.INFO_KEY} == {
+        k: v for k, v in before.client.items() if k != universal.INFO_KEY
+    }  # loops, LR schedule, data position, tokenizer, W&B run id: the source's
+
+    step = LINK_STEPS * 5
+    proc = _run("zero1", "ds1", 2, step, tmp_path, data_cache, f"ckpt_path={out}")
+    assert "resuming a" not in proc.stdout + proc.stderr  # DeepSpeed's own loading
+    got = universal.read(tmp_path / "zero1" / "checkpoints" / "last.ckpt")
+    _assert_at_reference_step(
+        got, universal.read(runs["dir"] / "ref2" / "checkpoints" / f"step{step:07d}.ckpt"), step
+    )
+    trained = [i for k in range(4) for i in _indices(runs["dir"] / f"{_name(k)}.jsonl")]
+    trained += _indices(tmp_path / "zero1.jsonl")
+    assert trained == _indices(runs["dir"] / "ref2.jsonl")[: len(trained)] and len(trained) == step * 4

@@ -133,6 +133,12 @@ INTERNALS = [
 ]
 DEEPSPEED_INTERNALS = [
     Internal(
+        "deepspeed.runtime.zero.stage_1_and_2",
+        "DeepSpeedZeroOptimizer.clip_grad",
+        "ZeRO-1/2 restore the gradient clipping of the run that wrote a checkpoint over the running config's",
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/zero/stage_1_and_2.py",
+    ),
+    Internal(
         "deepspeed.comm.comm",
         "cdb",
         "DeepSpeed caches its process groups here; a sweep's next job must not reuse the finished job's",
@@ -204,6 +210,16 @@ def deepspeed_config(strategy) -> dict:
 
 def use_all_ranks_for_data_parallel(strategy) -> None:
     strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+
+
+def keep_configured_gradient_clipping(engine) -> None:
+    """After DeepSpeed loads a ZeRO-1/2 checkpoint: clip as this run is configured (`trainer.gradient_clip_val`),
+    not as the writer was. DeepSpeed restores `clip_grad` from the checkpoint (`_load_legacy_checkpoint`), so a
+    resume that changed the clipping, or a checkpoint written by `parallama-ckpt convert`, would silently clip
+    otherwise. ZeRO-3 keeps its configured value."""
+    zero = getattr(engine, "optimizer", None)
+    if zero is not None and hasattr(zero, "clip_grad"):
+        zero.clip_grad = engine.gradient_clipping()
 
 
 def destroy_deepspeed_groups() -> bool:

@@ -106,13 +106,22 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
             **super().checkpoint_info(module),
             "stage": zero.get("stage"),
             "offload": self.offload_optimizer,
+            "precision": module.trainer.precision,  # bf16: its model file holds bf16 weights
         }
 
     def loads_natively(self, info: dict) -> bool:
-        """DeepSpeed reads its ZeRO partitions back only as they were written: same world size and stage."""
+        """DeepSpeed reads its ZeRO partitions back only as they were written: same world size, stage, offload
+        and precision (checkpoints that predate the precision record are taken as written in this one)."""
         zero = compat.deepspeed_config(self).get("zero_optimization", {})
         same = info.get("world_size") == self.world_size and info.get("stage") == zero.get("stage")
-        return super().loads_natively(info) and same and info.get("offload") == self.offload_optimizer
+        same = same and info.get("offload") == self.offload_optimizer
+        precision = self.lightning_module.trainer.precision
+        return super().loads_natively(info) and same and info.get("precision", precision) == precision
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        compat.keep_configured_gradient_clipping(self.deepspeed_engine)
+        return checkpoint
 
     def load_universal(self, state) -> None:
         from parallama.parallel.zero_state import load_into_deepspeed

@@ -38,10 +38,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from parallama.checkpoint import check_resumable, read_client_state, verify_checkpoint
+    from parallama.checkpoint import check_resumable, read_client_state
     from parallama.checkpoint_io import AtomicCheckpointIO, remove_stale_temps
     from parallama.loggers import continue_wandb_run
     from parallama.module import LlamaLM
+    from parallama.untrusted import verify_checkpoint
 
     faults.check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)

@@ -9,7 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
-from parallama.checks import check_config, preflight
+from parallama.checks import check_config
+from parallama.compose import preflight
 from parallama.errors import ConfigError
 from parallama.module import LlamaLM, warmup_cosine
 

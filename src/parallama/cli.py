@@ -24,7 +24,7 @@ def usage(doc: str, defaults: dict) -> str:
 
 def parse_cli(defaults: dict, argv: list[str] | None, required: tuple[str, ...] = ()) -> DictConfig:
     """`key=value` args over `defaults`; unknown keys and missing required ones are ConfigErrors."""
-    from parallama.checks import _did_you_mean
+    from parallama.compose import _did_you_mean
 
     args = sys.argv[1:] if argv is None else argv
     valid = f"valid keys: {', '.join(defaults)}"

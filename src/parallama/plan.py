@@ -219,7 +219,7 @@ def compose(overrides: list[str], conf_dirs: list[Path] | None = None):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from parallama.checks import _one_line
+    from parallama.compose import _one_line
 
     if conf_dirs:
         overrides = [

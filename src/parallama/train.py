@@ -15,7 +15,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR, faults
-from parallama.checks import check_config, preflight
+from parallama.checks import check_config
+from parallama.compose import preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path, use_private_torch_extensions
 

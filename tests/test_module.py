@@ -106,7 +106,7 @@ def test_global_batch_derives_accumulation():
 def test_model_presets_validate_and_have_the_documented_size(preset):
     from omegaconf import OmegaConf
 
-    from parallama.model import LlamaConfig
+    from parallama.model_config import LlamaConfig
 
     fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
     fields["vocab_size"] = fields["vocab_size"] or 320

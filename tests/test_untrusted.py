@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from parallama.checkpoint import load_checkpoint
 from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 from parallama.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
 
 CONFIG = LlamaConfig(

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from parallama.errors import ConfigError
-from parallama.model import LlamaConfig
+from parallama.model_config import LlamaConfig
 from parallama.untrusted import (
     _safe_dcp_reader,
     _verify_dcp,

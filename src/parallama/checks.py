@@ -163,7 +163,7 @@ def _show(value) -> str:
 
 
 def _check_model_shape(model: DictConfig) -> None:
-    from parallama.model import LlamaConfig
+    from parallama.model_config import LlamaConfig
 
     fields = OmegaConf.to_container(model, resolve=True)
     if fields.get("vocab_size") is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
-from parallama.model import LlamaConfig
+from parallama.model_config import LlamaConfig
 from parallama.parallel import GUIDE, MemoryProfile, memory_profiles
 
 GIB = 2**30

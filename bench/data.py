@@ -32,7 +32,7 @@ GOAL_HEADROOM = 10.0
 
 def goal_tokens_per_s() -> tuple[float, float]:
     """(tokens/s, FLOPs/token) of llama_180m at seq 512 running at GOAL_MFU of an H100's bf16 peak."""
-    from parallama.model import LlamaConfig
+    from parallama.model_config import LlamaConfig
 
     fpt = LlamaConfig(**preset("llama_180m", 0)).flops_per_token(512)
     return GOAL_MFU * H100_BF16_PEAK / fpt, fpt
@@ -177,7 +177,8 @@ def mask_model_cost(args) -> dict:
     ids) vs SDPA with the (B, 1, T, T) block-diagonal mask and restarting positions."""
     import torch
 
-    from parallama.model import Llama, LlamaConfig
+    from parallama.model import Llama
+    from parallama.model_config import LlamaConfig
 
     dm = _packed(args, workers=0, document_mask=True)
     batch = next(iter(dm.train_dataloader()))

@@ -62,7 +62,8 @@ def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from parallama.model import Llama, LlamaConfig
+    from parallama.model import Llama
+    from parallama.model_config import LlamaConfig
 
     torch.set_num_threads(1)
     dm = datamodule(args.cache_dir, args.seq_len, args.batch)

@@ -64,7 +64,8 @@ def measure(
     after `args.warmup` untimed ones (compilation happens there), and the peak allocated bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from parallama.model import Llama, LlamaConfig
+    from parallama.model import Llama
+    from parallama.model_config import LlamaConfig
     from parallama.parallel.apply import apply_ac, apply_compile
 
     v = {**BASELINE, **variant}
@@ -154,7 +155,7 @@ def strategy_peak(name: str, overrides: list[str], args) -> int | None:
 
 def plan_estimates(cfg: dict, seq_len: int, batch: int) -> dict[str, int]:
     """`parallama.plan.estimate` totals (bytes) of every profile, in the runs' bf16-mixed."""
-    from parallama.model import LlamaConfig
+    from parallama.model_config import LlamaConfig
     from parallama.plan import estimate
 
     plans = estimate(
@@ -195,7 +196,7 @@ def run(args) -> dict:
     }
 
     def row(label, cfg, seq_len, batch, variant):
-        from parallama.model import LlamaConfig
+        from parallama.model_config import LlamaConfig
 
         try:
             rates, mem = measure(cfg, seq_len, batch, variant, device, args)

@@ -87,7 +87,8 @@ def train_loop(model, loader, args, device: torch.device) -> tuple[float, float]
 
 
 def plain(cfg: dict, init: dict, dm, args, device: torch.device) -> tuple[float, float]:
-    from parallama.model import Llama, LlamaConfig
+    from parallama.model import Llama
+    from parallama.model_config import LlamaConfig
 
     model = Llama(LlamaConfig(**cfg))
     model.load_state_dict(init)
@@ -151,7 +152,8 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
 
 
 def run(args) -> dict:
-    from parallama.model import Llama, LlamaConfig
+    from parallama.model import Llama
+    from parallama.model_config import LlamaConfig
 
     quiet()
     if args.threads:

@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli
 
 from parallama import CONF_DIR
-from parallama.checks import preflight
+from parallama.compose import preflight
 from parallama.errors import ConfigError
 
 CASES = [  # (overrides, what the one line must say)

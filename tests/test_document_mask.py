@@ -13,12 +13,15 @@ import torch
 import torch.nn.functional as F
 from conftest import train
 
+from parallama import masks
 from parallama import model as model_module
 from parallama.data import TextDataModule, byte_level, embedded, special_ids
 from parallama.data.datasets import IGNORE_INDEX, PackedDataset
 from parallama.data.tokenizer import SpecialIds
 from parallama.errors import ConfigError
-from parallama.model import Llama, LlamaConfig, document_mask
+from parallama.masks import document_mask
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 
 VOCAB, BOT, EOT, PAD = 97, 94, 95, 96
 SPECIALS = SpecialIds(bot=BOT, eot=EOT, pad=PAD)
@@ -188,7 +191,7 @@ def test_model_with_compiled_flex_attention_matches_sdpa(monkeypatch):
     x, pos, doc = (item[k][None] for k in ("input_ids", "position_ids", "document_ids"))
     with torch.no_grad():
         expected = model(x, position_ids=pos, document_ids=doc)
-        monkeypatch.setattr(model_module, "FLEX_ATTENTION_DEVICES", {"cpu"})
+        monkeypatch.setattr(masks, "FLEX_ATTENTION_DEVICES", {"cpu"})
         got = model(x, position_ids=pos, document_ids=doc)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

@@ -14,7 +14,8 @@ from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
 from parallama.export import main as export_main
 from parallama.hf import load_hf_weights, save_hf_folder
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 
 BIN = Path(sys.executable).parent
 # Matches the byte tokenizer: 260 tokens, rounded up to 320 by parallama-train.

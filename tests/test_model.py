@@ -5,11 +5,11 @@ import torch
 
 from parallama.model import (
     Llama,
-    LlamaConfig,
     apply_rotary,
     generate,
     rope_inv_freq,
 )
+from parallama.model_config import LlamaConfig
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -9,7 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
-from parallama.checks import check_config, preflight
+from parallama.checks import check_config
+from parallama.compose import preflight
 from parallama.errors import ConfigError
 from parallama.module import LlamaLM, warmup_cosine
 
@@ -105,7 +106,7 @@ def test_global_batch_derives_accumulation():
 def test_model_presets_validate_and_have_the_documented_size(preset):
     from omegaconf import OmegaConf
 
-    from parallama.model import LlamaConfig
+    from parallama.model_config import LlamaConfig
 
     fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
     fields["vocab_size"] = fields["vocab_size"] or 320

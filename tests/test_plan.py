@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 from parallama.parallel.apply import apply_ac
 from parallama.plan import command, compose, estimate, main, plan, profiles
 

@@ -12,10 +12,12 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from omegaconf import OmegaConf
 
-from parallama.checkpoint import load_checkpoint, read_dcp_metadata, verify_checkpoint, weights_only_loads
+from parallama.checkpoint import load_checkpoint
 from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
+from parallama.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
 
 CONFIG = LlamaConfig(
     vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2

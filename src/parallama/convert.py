@@ -18,9 +18,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from parallama.checkpoint import parse_cli, run_cli, usage, verify_checkpoint
+from parallama.cli import parse_cli, run_cli, usage
 from parallama.errors import ConfigError
 from parallama.parallel import universal
+from parallama.untrusted import verify_checkpoint
 
 DEFAULTS = {
     "src": None,

@@ -138,7 +138,7 @@ def preflight(argv: list[str]) -> None:
     """Compose as Hydra will, so that a typo is one line (Hydra's own flags such as --help are left to it)."""
     from hydra import initialize_config_dir
 
-    from parallama.checks import compose_job
+    from parallama.compose import compose_job
 
     if any(arg.startswith("-") for arg in argv):
         return

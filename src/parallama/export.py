@@ -3,7 +3,8 @@ Llama folder (config.json, model.safetensors, tokenizer files) for transformers,
 
 from __future__ import annotations
 
-from parallama.checkpoint import load_checkpoint, parse_cli, run_cli, usage
+from parallama.checkpoint import load_checkpoint
+from parallama.cli import parse_cli, run_cli, usage
 from parallama.hf import save_hf_folder
 
 DEFAULTS = {"ckpt_path": None, "out_dir": None}

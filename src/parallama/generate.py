@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
-from parallama.checkpoint import load_checkpoint, load_state_into, parse_cli, run_cli, usage
+from parallama.checkpoint import load_checkpoint, load_state_into
+from parallama.cli import parse_cli, run_cli, usage
 from parallama.data.tokenizer import from_pretrained, special_ids
 from parallama.errors import ConfigError
 from parallama.hf import load_hf_config, load_hf_weights

@@ -19,7 +19,8 @@ from torch import Tensor
 from parallama.checkpoint import load_state_into
 from parallama.data.tokenizer import UNK, special_ids
 from parallama.errors import ConfigError
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 
 
 def _write_json(path: Path, obj: dict) -> None:

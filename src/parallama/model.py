@@ -1,4 +1,5 @@
-"""A Llama-style decoder in one file: config, modules, KV cache and sampling.
+"""A Llama-style decoder, read top to bottom: rope, attention, MLP, blocks, the model, KV cache and sampling.
+Its hyperparameters are `model_config.LlamaConfig`; the attention masks it takes are built in `masks`.
 
 Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that checkpoints map 1:1 (HF keys
 are ours with a ``model.`` prefix, except ``lm_head``). Parallelism (FSDP, compile, activation
@@ -8,93 +9,14 @@ checkpointing) is applied from outside, per ``DecoderLayer``; nothing here knows
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# Devices on which document masks run as compiled FlexAttention (a fused kernel that skips the blocks the mask
-# rules out); elsewhere SDPA gets a dense boolean (B, 1, T, T) mask.
-FLEX_ATTENTION_DEVICES = {"cuda"}
-
-
-@dataclass
-class LlamaConfig:
-    """Model hyperparameters, with Hugging Face ``LlamaConfig`` field names."""
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None  # None -> num_attention_heads (MHA); 1 -> MQA
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # only HF's {"rope_type": "llama3", ...}
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-
-    def __post_init__(self):
-        """Fail at config time, naming the Hydra key to fix, not deep inside a forward pass."""
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        for f in fields(self):  # annotations are strings here (from __future__ import annotations)
-            value = getattr(self, f.name)
-            if f.type.startswith("int") and not (type(value) is int and value > 0):
-                raise ValueError(f"model.{f.name}={value!r} must be a positive int")
-            if f.type == "float" and not value > 0:
-                raise ValueError(f"model.{f.name}={value!r} must be > 0")
-        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
-        if h % nh:
-            raise ValueError(f"model.num_attention_heads={nh} must divide model.hidden_size={h}")
-        if nh % nkv:
-            raise ValueError(f"model.num_key_value_heads={nkv} must divide model.num_attention_heads={nh}")
-        if (hd := self.head_dim) % 2:
-            raise ValueError(f"model.hidden_size/model.num_attention_heads={hd} must be even (rope)")
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type != "llama3":
-                raise ValueError(f"model.rope_scaling.rope_type={rope_type!r} must be 'llama3' or unset")
-            if missing := [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]:
-                raise ValueError(f"model.rope_scaling is missing {missing}; llama3 needs {LLAMA3_ROPE_KEYS}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_hf_dict(self) -> dict:
-        """Fields for a HF ``config.json``; callers add bos/eos token ids."""
-        d = {k: v for k, v in asdict(self).items() if v is not None}  # rope_scaling=None: default rope
-        hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
-        return {**hf, "attention_bias": False, "mlp_bias": False, "head_dim": self.head_dim, **d}
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> LlamaConfig:
-        """Build from a HF ``config.json`` dict, ignoring keys this model does not use."""
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        if rope := d.get("rope_parameters"):  # transformers>=5 nests theta and scaling here
-            kwargs.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
-            if rope.get("rope_type", "default") != "default":
-                kwargs.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
-        return cls(**kwargs)
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Exact parameter count. ``non_embedding`` drops the token-embedding table but keeps
-        ``lm_head`` (its matmul costs FLOPs); a tied table is counted once, as ``lm_head``."""
-        d, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        layer = 2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size + 2 * d
-        n_tables = 1 if self.tie_word_embeddings or non_embedding else 2
-        return self.num_hidden_layers * layer + d + n_tables * self.vocab_size * d
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training (forward + backward) FLOPs per token as PaLM / torchtitan count them: 6 per
-        non-embedding parameter plus attention over ``seq_len`` keys, causal masking not discounted."""
-        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
-        return float(6 * self.num_params(non_embedding=True) + attn)
+from parallama import masks
+from parallama.model_config import LlamaConfig
 
 
 def rope_inv_freq(config: LlamaConfig) -> Tensor:
@@ -186,7 +108,7 @@ class Attention(nn.Module):
             k, v = kv_cache.update(input_pos, k, v)
         # enable_gqa: each K/V head serves its group of query heads without materialized copies.
         if isinstance(attn_mask, BlockMask):
-            y = _compiled_flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+            y = masks.compiled_flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask, is_causal=attn_mask is None, enable_gqa=True
@@ -221,38 +143,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def padding_mask(attention_mask: Tensor) -> Tensor:
-    """(B, T) 1/0 padding mask -> (B, 1, T, T) bool mask "causal and key is real". The diagonal is
-    always allowed: a fully masked row (left padding) makes SDPA return NaN, poisoning the backward."""
-    T, device = attention_mask.shape[-1], attention_mask.device
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() & attention_mask.bool()[:, None, None]
-    return mask | torch.eye(T, dtype=torch.bool, device=device)
-
-
-# Made by the first flex document_mask: importing torch's compiler takes seconds.
-_compiled_flex_attention = None
-
-
-def document_mask(document_ids: Tensor, flex: bool) -> Tensor | BlockMask:
-    """(B, T) document index of every token -> "causal and same document": a FlexAttention ``BlockMask`` if
-    ``flex``, else a (B, 1, T, T) bool mask for SDPA. The diagonal is always allowed, so no row is empty.
-
-    Attention runs a ``BlockMask`` through compiled flex_attention (eager, it would materialize the whole
-    score matrix), compiled here, outside any compiled block, once per process."""
-    global _compiled_flex_attention
-    B, T = document_ids.shape
-    if flex:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-
-        def same_document_causal(b, h, q, kv):
-            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
-
-        return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
 
 
 class Llama(nn.Module):
@@ -310,7 +200,7 @@ class Llama(nn.Module):
           padding is assumed to be on the right (the usual training layout).
         - ``document_ids`` (B, T), the document each token belongs to (packed batches): a token attends
           to earlier tokens of its own document only, through compiled FlexAttention on the devices in
-          ``FLEX_ATTENTION_DEVICES`` (CUDA), SDPA with a block-diagonal mask elsewhere. Pass the
+          ``masks.FLEX_ATTENTION_DEVICES`` (CUDA), SDPA with a block-diagonal mask elsewhere. Pass the
           ``position_ids`` (B, T) that restart at 0 with every document too, and each document's logits are
           those of the document alone (the data module's ``document_mask=true`` gives both).
         - ``kv_cache`` (from ``new_kv_cache``) needs ``input_pos``, the 1D positions of the given
@@ -332,9 +222,9 @@ class Llama(nn.Module):
                 raise ValueError(
                     "document_ids and attention_mask exclude each other (packed vs padded samples)"
                 )
-            mask = document_mask(document_ids, flex=device.type in FLEX_ATTENTION_DEVICES)
+            mask = masks.document_mask(document_ids, flex=device.type in masks.FLEX_ATTENTION_DEVICES)
         else:
-            mask = None if attention_mask is None else padding_mask(attention_mask)
+            mask = None if attention_mask is None else masks.padding_mask(attention_mask)
         rope = self.rotary_emb
         h = self.embed_tokens(input_ids)
         # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from parallama.errors import ConfigError, TrainingDiverged
-from parallama.model import Llama, LlamaConfig
+from parallama.model import Llama
+from parallama.model_config import LlamaConfig
 from parallama.parallel import Parallelism, data_parallel
 from parallama.parallel.universal import INFO_KEY
 

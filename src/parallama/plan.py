@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
-from parallama.model import LlamaConfig
+from parallama.model_config import LlamaConfig
 from parallama.parallel import GUIDE, MemoryProfile, memory_profiles
 
 GIB = 2**30
@@ -219,7 +219,7 @@ def compose(overrides: list[str], conf_dirs: list[Path] | None = None):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from parallama.checks import _one_line
+    from parallama.compose import _one_line
 
     if conf_dirs:
         overrides = [

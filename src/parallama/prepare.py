@@ -22,7 +22,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
-from parallama.checks import _RULES, Rule, _show, compose_job
+from parallama.checks import _RULES, Rule, _show
+from parallama.compose import compose_job
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 

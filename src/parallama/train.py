@@ -15,7 +15,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR, faults
-from parallama.checks import check_config, preflight
+from parallama.checks import check_config
+from parallama.compose import preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.launch import patch_ddp_relaunch, resolve_ckpt_path, use_private_torch_extensions
 
@@ -38,10 +39,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from parallama.checkpoint import check_resumable, read_client_state, verify_checkpoint
+    from parallama.checkpoint import check_resumable, read_client_state
     from parallama.checkpoint_io import AtomicCheckpointIO, remove_stale_temps
     from parallama.loggers import continue_wandb_run
     from parallama.module import LlamaLM
+    from parallama.untrusted import verify_checkpoint
 
     faults.check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)

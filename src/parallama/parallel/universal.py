@@ -25,14 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from parallama.checkpoint import (
-    _safe_dcp_reader,
-    _verify_dcp,
-    load_weights_only,
-    read_client_state,
-    weights_only_loads,
-)
+from parallama.checkpoint import read_client_state
 from parallama.errors import ConfigError
+from parallama.untrusted import _safe_dcp_reader, _verify_dcp, load_weights_only, weights_only_loads
 
 INFO_KEY = "parallel"  # checkpoint[INFO_KEY]: who wrote it (strategy, world size, format, optimizer keys)
 LIGHTNING_TENSORS = ("state_dict", "optimizer_states")

@@ -19,8 +19,9 @@ import sys
 import torch
 
 from parallama import compat
-from parallama.checkpoint import deepspeed_types, load_weights_only, read_client_state, weights_only_loads
+from parallama.checkpoint import read_client_state
 from parallama.errors import ConfigError
+from parallama.untrusted import deepspeed_types, load_weights_only, weights_only_loads
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # Param-group keys that choose the running optimizer's implementation (a GPU run's fused kernels), not its state.

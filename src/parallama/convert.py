@@ -51,7 +51,9 @@ def convert(argv: list[str]) -> None:
         if cfg.stage not in (1, 2, 3):
             raise ConfigError(f"stage={cfg.stage} is not a ZeRO stage (1, 2 or 3)")
         if not (isinstance(cfg.devices, int) and cfg.devices > 0):
-            raise ConfigError(f"devices={cfg.devices}: give the resuming run's number of GPUs (an integer > 0)")
+            raise ConfigError(
+                f"devices={cfg.devices}: give the resuming run's number of GPUs (an integer > 0)"
+            )
         if cfg.precision not in PRECISIONS:
             raise ConfigError(f"precision={cfg.precision} is not one of {', '.join(PRECISIONS)}")
     if "LOCAL_RANK" not in os.environ:  # not a rank that Lightning started for format=deepspeed

@@ -101,6 +101,20 @@ def _assert_at_reference_step(got, want, step: int) -> None:
     assert got.client["TextDataModule"]["trained_samples"] == step * 4
 
 
+def _assert_same_state(after, before) -> None:
+    """Bit for bit: fp32 weights, AdamW moments and Lightning's state (loops, LR schedule, data position,
+    tokenizer, W&B run id); only the writer's record differs."""
+    assert after.model.keys() == before.model.keys()
+    assert all(torch.equal(after.model[k], before.model[k].float()) for k in before.model)
+    for name, moments in before.optimizer["state"].items():
+        assert all(
+            torch.equal(after.optimizer["state"][name][k], moments[k]) for k in ("exp_avg", "exp_avg_sq")
+        )
+    assert {k: v for k, v in after.client.items() if k != universal.INFO_KEY} == {
+        k: v for k, v in before.client.items() if k != universal.INFO_KEY
+    }
+
+
 def _indices(path) -> list[int]:
     return [i for line in path.read_text().splitlines() for i in json.loads(line)["indices"]]
 
@@ -154,7 +168,8 @@ def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_s
 def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs, tmp_path, data_cache):
     """ddp_sharded@1's step-8 file -> a ZeRO-1 folder for 2 ranks, written by DeepSpeed: the same state read
     back, recorded as DeepSpeed's own, and a ZeRO-1@2 run resumes it natively (no universal path) to step 10
-    equal to the uninterrupted reference."""
+    equal to the uninterrupted reference. The converting run clips nothing (it has no trainer config), so this
+    also shows that a DeepSpeed resume clips as configured, not as the checkpoint's writer did."""
     source = runs["dir"] / _name(3) / "checkpoints" / "last.ckpt"
     out = tmp_path / "zero1"
     args = [f"src={source}", f"out={out}", "format=deepspeed", "devices=2", "stage=1"]
@@ -167,15 +182,25 @@ def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs,
         "offload": False,
         "precision": "32-true",
     }
-    before, after = universal.read(source), universal.read(out)
-    assert all(torch.equal(after.model[k], before.model[k].float()) for k in before.model)
-    for name, moments in before.optimizer["state"].items():
-        assert all(
-            torch.equal(after.optimizer["state"][name][k], moments[k]) for k in ("exp_avg", "exp_avg_sq")
-        )
-    assert {k: v for k, v in after.client.items() if k != universal.INFO_KEY} == {
-        k: v for k, v in before.client.items() if k != universal.INFO_KEY
-    }  # loops, LR schedule, data position, tokenizer, W&B run id: the source's
+    before = universal.read(source)
+    _assert_same_state(universal.read(out), before)
+
+    # ZeRO-3 on one rank in bf16 with optimizer and parameters offloaded (DeepSpeedCPUAdam): DeepSpeed keeps bf16
+    # weights in the module and the fp32 masters beside them; those and the moments are still the source's.
+    bf16 = tmp_path / "zero3_bf16_offload"
+    args = [
+        f"src={source}",
+        f"out={bf16}",
+        "format=deepspeed",
+        "devices=1",
+        "stage=3",
+        "precision=bf16-mixed",
+        "offload=true",
+    ]
+    run_cli("parallama.convert", *args, cwd=tmp_path)
+    info = universal.writer_info(bf16)
+    assert (info["stage"], info["offload"], info["precision"]) == (3, True, "bf16-mixed")
+    _assert_same_state(universal.read(bf16), before)
 
     step = LINK_STEPS * 5
     proc = _run("zero1", "ds1", 2, step, tmp_path, data_cache, f"ckpt_path={out}")

@@ -94,6 +94,17 @@ def test_sampling_depends_on_the_seed_only(ckpt):
             "unknown config key 'trainer.devics' (did you mean 'trainer.devices'?)",
         ),
         (generate_main, ["ckpt_path={ckpt}", "temperature=-1"], "temperature=-1"),
+        (convert_main, ["src={ckpt}", "out=x", "format=deepspeed", "stage=4"], "stage=4 is not a ZeRO stage"),
+        (
+            convert_main,
+            ["src={ckpt}", "out=x", "format=deepspeed", "precision=fp8"],
+            "precision=fp8 is not one of 32-true, bf16-mixed",
+        ),
+        (
+            convert_main,
+            ["src={ckpt}", "out=x", "format=dcp", "devices=4"],
+            "devices= applies to format=deepspeed only",
+        ),
     ],
 )
 def test_cli_errors(ckpt, main, argv, needle, capsys):

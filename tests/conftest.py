@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,31 @@ def train(
 def data_cache(tmp_path_factory) -> Path:
     """One tokenized-corpus cache for the whole session (every run of the same data reuses it)."""
     return tmp_path_factory.mktemp("cache")
+
+
+# What the shared run sets beyond TINY (test_cli.py reads each): log-file progress lines every 2 steps, a
+# throughput window that fills within its 4 steps, last.ckpt every 3 steps and every second (both at once), in a
+# directory whose path is longer than 80 columns.
+SHARED_RUN = [
+    "callbacks.progress_bar.line_every_n_steps=2",
+    "callbacks.throughput.window_size=2",
+    "callbacks.last_checkpoint.every_n_train_steps=3",
+    "callbacks.last_checkpoint.train_time_interval={_target_:datetime.timedelta,seconds:1}",
+]
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    dir: Path  # the run directory: read it, never write into it (copy it with shutil.copytree)
+    output: str  # stdout + stderr of the run
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_cache) -> FinishedRun:
+    """One finished TINY run (+ SHARED_RUN) for the whole session: every test that needs a fresh single-process
+    run with the defaults reads this one instead of training its own; a test that resumes or writes into a run
+    works on a copy."""
+    tmp = tmp_path_factory.mktemp("tiny_run")
+    run_dir = tmp / ("a-directory-name-long-enough-to-pass-eighty-columns-" * 2) / "run"
+    proc = train(*SHARED_RUN, cwd=tmp, cache=data_cache, run_dir=run_dir)
+    return FinishedRun(run_dir, proc.stdout + proc.stderr)

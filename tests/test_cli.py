@@ -21,16 +21,9 @@ def read_metrics(run_dir) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_train_writes_checkpoints_logs_config_and_a_sample(tmp_path, data_cache):
-    run = tmp_path / "run"
-    proc = train(
-        "validate_before_training=true",
-        "sample.max_new_tokens=12",
-        "callbacks.throughput.window_size=2",
-        cwd=tmp_path,
-        cache=data_cache,
-        run_dir=run,
-    )
+def test_train_writes_checkpoints_logs_config_and_a_sample(tiny_run):
+    """Validation before training (the default), a sample at the end, a throughput window of 2: conftest's run."""
+    run = tiny_run.dir
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert len(list((run / "checkpoints").glob("step*.ckpt"))) == 1  # the best by val/loss
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "resolved_config.yaml").is_file()
@@ -40,7 +33,7 @@ def test_train_writes_checkpoints_logs_config_and_a_sample(tmp_path, data_cache)
     assert val[-1][1] < val[0][1]
     assert any(r["train/loss"] for r in rows) and any(r["lr-AdamW/pg1"] for r in rows)
     assert any(r["train/device/items_per_sec"] for r in rows)  # tokens/s from the ThroughputMonitor
-    out = proc.stdout + proc.stderr
+    out = tiny_run.output
     assert "sample:" in out and "last checkpoint:" in out and "rank 0/1" in out
 
 
@@ -86,18 +79,13 @@ def test_help_lists_groups(tmp_path):
     assert "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp" in proc.stdout
 
 
-def test_log_file_progress_and_a_full_width_config(tmp_path, data_cache):
-    """stdout is a pipe here, as in a log file: progress comes as lines, and no config line is cut at 80."""
-    long_dir = tmp_path / ("a-directory-name-long-enough-to-pass-eighty-columns-" * 2) / "run"
-    proc = train(
-        "callbacks.progress_bar.line_every_n_steps=2",
-        cwd=tmp_path,
-        cache=data_cache,
-        run_dir=long_dir,
-    )
-    out = proc.stdout + proc.stderr
+def test_log_file_progress_and_a_full_width_config(tiny_run):
+    """stdout is a pipe here, as in a log file: progress comes as lines (conftest's run prints one every 2 steps),
+    and no config line is cut at 80 (its directory's path is longer)."""
+    assert len(f"output_dir: {tiny_run.dir}") > 80
+    out = tiny_run.output
     assert "step 2/4 (50%)  train/loss" in out and "step 4/4 (100%)" in out
-    assert f"output_dir: {long_dir}" in out
+    assert f"output_dir: {tiny_run.dir}" in out
 
 
 def test_help_and_typos_answer_before_torch_loads(tmp_path):
@@ -130,14 +118,9 @@ def test_each_python_environment_gets_its_own_extension_dir(monkeypatch):
     assert hashlib.sha256(sys.prefix.encode()).hexdigest()[:10] in os.environ["TORCH_EXTENSIONS_DIR"]
 
 
-def test_last_checkpoint_every_n_steps_and_every_t(tmp_path, data_cache):
-    """Lightning's ModelCheckpoint refuses both; `last_checkpoint` takes both (the config says "and/or")."""
-    run = tmp_path / "run"
-    train(
-        "callbacks.last_checkpoint.every_n_train_steps=3",
-        "callbacks.last_checkpoint.train_time_interval={_target_:datetime.timedelta,seconds:1}",
-        cwd=tmp_path,
-        cache=data_cache,
-        run_dir=run,
-    )
-    assert (run / "checkpoints" / "last.ckpt").is_file()
+def test_last_checkpoint_every_n_steps_and_every_t(tiny_run):
+    """Lightning's ModelCheckpoint refuses both; `last_checkpoint` takes both (the config says "and/or"):
+    conftest's run sets both."""
+    config = (tiny_run.dir / ".hydra" / "config.yaml").read_text()
+    assert "every_n_train_steps: 3" in config and "seconds: 1" in config
+    assert (tiny_run.dir / "checkpoints" / "last.ckpt").is_file()

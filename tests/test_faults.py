@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,11 +150,13 @@ def rank1_log(run) -> str:
     return (run / "train_ddp_process_1.log").read_text()
 
 
-def test_fresh_run_into_an_old_run_dir_is_refused_and_a_fresh_run_warns_nothing(tmp_path, data_cache):
-    run = tmp_path / "run"
-    first = train(cwd=tmp_path, cache=data_cache, run_dir=run)
-    out = first.stdout + first.stderr
+def test_fresh_run_into_an_old_run_dir_is_refused_and_a_fresh_run_warns_nothing(
+    tiny_run, tmp_path, data_cache
+):
+    out = tiny_run.output  # conftest's fresh run
     assert 'ckpt_path="last")` is set' not in out and "was called without a model" not in out
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run.dir, run)
     again = train(cwd=tmp_path, cache=data_cache, run_dir=run, check=False)
     assert again.returncode == 2
     last = run / "checkpoints" / "last.ckpt"
@@ -254,9 +257,9 @@ def test_matrix_every_rank_stops_with_status_0(tmp_path, data_cache, strategy, t
     assert child_code == 0 and f"stopped by {signum.name} at step" in rank1_log(run)
 
 
-def test_a_requeued_slurm_job_resumes_its_run_dir(tmp_path, data_cache, monkeypatch):
+def test_a_requeued_slurm_job_resumes_its_run_dir(tiny_run, tmp_path, data_cache, monkeypatch):
     run = tmp_path / "run"
-    train(cwd=tmp_path, cache=data_cache, run_dir=run)
+    shutil.copytree(tiny_run.dir, run)  # the job's first run (conftest's), at step 4
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # set by SLURM in a requeued job
     again = train("trainer.max_steps=6", cwd=tmp_path, cache=data_cache, run_dir=run)
     assert (

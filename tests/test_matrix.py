@@ -43,8 +43,12 @@ def test_trains_validates_samples_and_exports(case, tmp_path, data_cache):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # a duplicate of test_sweeps.py::test_debug_presets_run_with_the_defaults[fdr]
 def test_fast_dev_run_with_the_defaults(tmp_path, data_cache):
-    """A smoke test as users write it: the defaults (validation before, sample at the end) plus fast_dev_run."""
+    """A smoke test as users write it: the defaults (validation before, sample at the end) plus fast_dev_run.
+
+    Slow because it duplicates test_sweeps.py::test_debug_presets_run_with_the_defaults[fdr]: `debug=fdr` sets
+    trainer.fast_dev_run=true (and task_name) on the same TINY defaults, and that test asserts the sample too."""
     proc = train(
         "trainer.fast_dev_run=true",
         cwd=tmp_path,

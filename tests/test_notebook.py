@@ -1,19 +1,20 @@
-"""notebooks/inspect_run.ipynb runs top to bottom on a fresh run: curves plotted and saved, text generated."""
+"""notebooks/inspect_run.ipynb runs top to bottom on a fresh run (a copy of conftest's): curves plotted and saved,
+text generated."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nbformat
-from conftest import train
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_run.ipynb"
 
 
-def test_inspect_run_notebook_executes(tmp_path, data_cache, monkeypatch):
+def test_inspect_run_notebook_executes(tiny_run, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    train(cwd=tmp_path, cache=data_cache, run_dir=run_dir)
+    shutil.copytree(tiny_run.dir, run_dir)  # the notebook writes curves.png into it
     monkeypatch.setenv("PARALLAMA_RUN_DIR", str(run_dir))  # the kernel inherits the environment
     (tmp_path / "home").mkdir()
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # kernel connection files, IPython profile

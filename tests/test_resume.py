@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,12 +82,15 @@ def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
         assert torch.equal(final["state_dict"][name], tensor), name  # bitwise: no batch repeated or skipped
 
 
-def test_ckpt_path_last_finds_the_newest_earlier_run(tmp_path, data_cache):
-    first = train(cwd=tmp_path, cache=data_cache)  # under logs/train/runs/<timestamp>
-    assert first.returncode == 0
+def test_ckpt_path_last_finds_the_newest_earlier_run(tiny_run, tmp_path, data_cache):
+    earlier = tmp_path / "logs" / "train" / "runs" / "2000-01-01_00-00-00-000000"
+    shutil.copytree(tiny_run.dir, earlier)  # a finished run where a run without hydra.run.dir writes
     second = train("trainer.max_steps=6", "ckpt_path=last", cwd=tmp_path, cache=data_cache)
     out = second.stdout + second.stderr
-    assert "Restoring states from the checkpoint path" in out and "/logs/train/runs/" in out
+    found = earlier.relative_to(tmp_path) / "checkpoints" / "last.ckpt"  # logged relative to the working dir
+    assert f"Restoring states from the checkpoint path at {found}\n" in out
+    (own,) = set(earlier.parent.iterdir()) - {earlier}  # this run's own directory, beside the earlier one
+    assert (own / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, data_cache):
@@ -99,12 +103,10 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, dat
     assert "Traceback" not in out
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, data_cache):
-    """One finished TINY run, read (never written) by the tests below."""
-    tmp = tmp_path_factory.mktemp("finished")
-    train(cwd=tmp, cache=data_cache, run_dir=tmp / "run")
-    return tmp / "run"
+@pytest.fixture
+def finished(tiny_run):
+    """One finished TINY run (conftest's), read (never written) by the tests below."""
+    return tiny_run.dir
 
 
 def test_truncated_checkpoint_names_the_file(finished, tmp_path):

@@ -67,9 +67,11 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strateg
 
 
 @pytest.mark.multiprocess
-def test_optuna_trials_run_every_rank_with_the_trials_lr(tmp_path, data_cache):
+def test_optuna_trials_run_every_rank_with_the_trials_lr_and_short_trials_are_scored(tmp_path, data_cache):
+    """Each trial validates after its last step, so a sweep of trials shorter than a validation interval gets a
+    (final) score for each."""
     args = ["hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "trainer.devices=2"]
-    train(*args, cwd=tmp_path, cache=data_cache)
+    train(*args, "trainer.val_check_interval=100", cwd=tmp_path, cache=data_cache)
     jobs = job_dirs(tmp_path)
     assert [job.name for job in jobs] == ["0", "1"]
     trial_lrs = [
@@ -79,6 +81,8 @@ def test_optuna_trials_run_every_rank_with_the_trials_lr(tmp_path, data_cache):
     for job, lr in zip(jobs, trial_lrs):
         assert rank_lrs(job) == pytest.approx({0: lr, 1: lr}, rel=1e-5)  # logged as %g: 6 digits
         assert peak_logged_lr(job) == pytest.approx(lr)
+        with open(job / "csv" / "metrics.csv") as f:  # validated after the 4th step (index 3) only
+            assert [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]] == [0, 3]
     results = yaml.safe_load((jobs[0].parent / "optimization_results.yaml").read_text())
     assert results["best_params"]["optimizer.lr"] in trial_lrs and results["best_value"] > 0
 
@@ -129,11 +133,3 @@ def test_debug_presets_run_with_the_defaults(tmp_path, data_cache, preset):
         assert not (run / "csv").exists()  # fast_dev_run switches the loggers off
     if preset == "profiler":
         assert list((run / "profiler").glob("*trace*"))
-
-
-def test_optuna_trials_shorter_than_a_validation_interval_are_scored(tmp_path, data_cache):
-    """Each trial validates after its last step, so a sweep of short trials gets a (final) score for each."""
-    args = ["hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "trainer.val_check_interval=100"]
-    train(*args, cwd=tmp_path, cache=data_cache)
-    results = yaml.safe_load((job_dirs(tmp_path)[0].parent / "optimization_results.yaml").read_text())
-    assert results["best_value"] > 0

@@ -61,10 +61,19 @@ def wandb_run(run_dir: Path) -> dict:
     return run
 
 
-def test_wandb_offline_logs_config_metrics_and_run_id(tmp_path, data_cache):
-    run_dir = tmp_path / "run"
-    proc = train("logger=many", "tags=[t1,t2]", cwd=tmp_path, cache=data_cache, run_dir=run_dir)
-    assert "logging offline" in proc.stdout + proc.stderr
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory, data_cache) -> tuple[Path, str]:
+    """One finished run with every logger (W&B offline, as under `no_wandb_account`): (run dir, its output)."""
+    tmp = tmp_path_factory.mktemp("logged")
+    (tmp / "home").mkdir()
+    env = {"HOME": str(tmp / "home")}  # run_cli drops WANDB_* (the API key, a mode) from the environment
+    proc = train("logger=many", "tags=[t1,t2]", cwd=tmp, cache=data_cache, run_dir=tmp / "run", env=env)
+    return tmp / "run", proc.stdout + proc.stderr
+
+
+def test_wandb_offline_logs_config_metrics_and_run_id(logged_run):
+    run_dir, out = logged_run
+    assert "logging offline" in out
     run = wandb_run(run_dir)
     assert run["group"] == "train" and run["tags"] == ["t1", "t2"]
     assert run["config"]["config"]["optimizer"]["lr"] == 3e-3  # the resolved config
@@ -76,12 +85,11 @@ def test_wandb_offline_logs_config_metrics_and_run_id(tmp_path, data_cache):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_resume_continues_the_wandb_run(tmp_path, data_cache):
-    first, second = tmp_path / "first", tmp_path / "second"
-    short = ["logger=[csv,wandb]", "trainer.max_steps=2"]
-    train(*short, cwd=tmp_path, cache=data_cache, run_dir=first)
+def test_resume_continues_the_wandb_run(logged_run, tmp_path, data_cache):
+    first, second = logged_run[0], tmp_path / "second"
     train(
-        short[0],
+        "logger=[csv,wandb]",
+        "trainer.max_steps=6",
         f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
         cwd=tmp_path,
         cache=data_cache,
@@ -90,7 +98,7 @@ def test_resume_continues_the_wandb_run(tmp_path, data_cache):
     run_id = wandb_run(first)["id"]
     assert wandb_run(second)["id"] == run_id
     assert read_client_state(second / "checkpoints" / "last.ckpt").get("wandb_run_id") == run_id
-    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
 
 
 def test_run_id_is_read_from_files_and_sharded_folders(tmp_path):

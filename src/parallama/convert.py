@@ -8,8 +8,8 @@ reshards for FSDP, or the folder DeepSpeed itself writes at `devices` ranks with
 `precision`, which `strategy=deepspeed` then loads natively at that world size. DeepSpeed's partitioning is its
 own, so that folder is written by DeepSpeed: `devices` processes (gloo) load the checkpoint and save it.
 
-Every process holds the full fp32 weights and moments (12 bytes per parameter) in host memory while it converts: a DeepSpeed
-folder for `devices` ranks needs `devices` times that on the machine that converts."""
+Every process holds the full fp32 weights and moments (12 bytes per parameter) in host memory while it
+converts: a DeepSpeed folder for `devices` ranks needs `devices` times that on the machine that converts."""
 
 from __future__ import annotations
 

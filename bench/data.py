@@ -32,7 +32,7 @@ GOAL_HEADROOM = 10.0
 
 def goal_tokens_per_s() -> tuple[float, float]:
     """(tokens/s, FLOPs/token) of llama_180m at seq 512 running at GOAL_MFU of an H100's bf16 peak."""
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
 
     fpt = LlamaConfig(**preset("llama_180m", 0)).flops_per_token(512)
     return GOAL_MFU * H100_BF16_PEAK / fpt, fpt
@@ -177,8 +177,8 @@ def mask_model_cost(args) -> dict:
     ids) vs SDPA with the (B, 1, T, T) block-diagonal mask and restarting positions."""
     import torch
 
-    from parallama.model import Llama
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
 
     dm = _packed(args, workers=0, document_mask=True)
     batch = next(iter(dm.train_dataloader()))
@@ -318,7 +318,7 @@ def _peak_rss(cmd: list[str]) -> tuple[float, float]:
 
 
 def prepare_memory(args, docs: list[str], tok) -> dict:
-    """Peak memory of `python -m parallama.prepare` (2 processes) over 1x, 4x, 16x the corpus: jsonl files read by
+    """Peak memory of `python -m parallama.cli.prepare` (2 processes) over 1x, 4x, 16x the corpus: jsonl files read by
     `data/source=files` (k links to one file of the corpus), a tokenizer given as a file (tokenizer training has
     its own cap, `tokenizer.train_documents`)."""
     results = {}
@@ -335,7 +335,7 @@ def prepare_memory(args, docs: list[str], tok) -> dict:
             cmd = [
                 sys.executable,
                 "-m",
-                "parallama.prepare",
+                "parallama.cli.prepare",
                 "data/source=files",
                 f"data.source.paths={data}/*.jsonl",
             ]

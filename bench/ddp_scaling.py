@@ -62,8 +62,8 @@ def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from parallama.model import Llama
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
 
     torch.set_num_threads(1)
     dm = datamodule(args.cache_dir, args.seq_len, args.batch)
@@ -104,7 +104,7 @@ def parallama(args, world: int) -> float:
         command = [
             sys.executable,
             "-m",
-            "parallama.train",
+            "parallama.cli.train",
             *(["strategy=ddp"] if world > 1 else []),
             f"trainer.devices={world}",
             "trainer.accelerator=cpu",
@@ -115,7 +115,7 @@ def parallama(args, world: int) -> float:
             "+trainer.enable_progress_bar=false",
             "+trainer.enable_model_summary=false",
             "callbacks=none",  # no checkpoint writes in the timed steps; the throughput monitor as users run it
-            "+callbacks.throughput._target_=parallama.callbacks.TokenThroughputMonitor",
+            "+callbacks.throughput._target_=parallama.training.callbacks.TokenThroughputMonitor",
             "+callbacks.clock._target_=bench.ddp_scaling.StepClock",
             f"+callbacks.clock.path={clock_file}",
             f"+callbacks.clock.warmup={args.warmup}",

@@ -6,7 +6,7 @@
    figures are the model's; `python -m bench overhead` measures what the Lightning path adds.
 2. Ablation on llama_180m: each row changes one thing from the baseline.
 3. Peak `torch.cuda.max_memory_allocated` of `parallama-train` on 1 device for every memory profile the strategy
-   classes declare (the configurations `parallama-plan` weighs), next to `parallama.plan.estimate` for it.
+   classes declare (the configurations `parallama-plan` weighs), next to `parallama.cli.plan.estimate` for it.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def measure(
     after `args.warmup` untimed ones (compilation happens there), and the peak allocated bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from parallama.model import Llama
-    from parallama.model_config import LlamaConfig
-    from parallama.parallel.apply import apply_ac, apply_compile
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
+    from parallama.models.llama.parallelize import apply_ac, apply_compile
 
     v = {**BASELINE, **variant}
     batch *= v["batch"]
@@ -123,7 +123,7 @@ class PeakMemory(L.Callback):
 
 def strategy_profiles() -> dict[str, list[str]]:
     """name -> parallama-train overrides: every declared memory profile, as parallama-plan lists them."""
-    from parallama.plan import profiles
+    from parallama.cli.plan import profiles
 
     return {name: p.overrides.split() for name, p in profiles().items()}
 
@@ -133,7 +133,7 @@ def strategy_peak(name: str, overrides: list[str], args) -> int | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peak.json"
         command = [
-            sys.executable, "-m", "parallama.train", *overrides, "trainer.devices=1", "model=llama_180m",
+            sys.executable, "-m", "parallama.cli.train", *overrides, "trainer.devices=1", "model=llama_180m",
             "data.seq_len=512", f"data.batch_size={PRESETS['llama_180m'][1]}", "trainer.max_steps=10",
             "scheduler.warmup_steps=2", "trainer.limit_val_batches=0", "validate_before_training=false",
             "sample.max_new_tokens=0", "callbacks=none", "logger=none", "+trainer.enable_checkpointing=false",
@@ -154,9 +154,9 @@ def strategy_peak(name: str, overrides: list[str], args) -> int | None:
 
 
 def plan_estimates(cfg: dict, seq_len: int, batch: int) -> dict[str, int]:
-    """`parallama.plan.estimate` totals (bytes) of every profile, in the runs' bf16-mixed."""
-    from parallama.model_config import LlamaConfig
-    from parallama.plan import estimate
+    """`parallama.cli.plan.estimate` totals (bytes) of every profile, in the runs' bf16-mixed."""
+    from parallama.cli.plan import estimate
+    from parallama.models.llama.config import LlamaConfig
 
     plans = estimate(
         LlamaConfig(**cfg),
@@ -196,7 +196,7 @@ def run(args) -> dict:
     }
 
     def row(label, cfg, seq_len, batch, variant):
-        from parallama.model_config import LlamaConfig
+        from parallama.models.llama.config import LlamaConfig
 
         try:
             rates, mem = measure(cfg, seq_len, batch, variant, device, args)

@@ -48,7 +48,7 @@ def adamw(model, device: torch.device, **kw) -> torch.optim.AdamW:
 def train_loop(model, loader, args, device: torch.device) -> tuple[float, float]:
     """The source article's loop: forward, loss, backward, clip_grad_norm_, step, LambdaLR step, zero_grad.
     Returns (steps/s after `args.warmup` steps, final loss)."""
-    from parallama.module import warmup_cosine
+    from parallama.training.module import warmup_cosine
 
     opt, total, s = adamw(model, device), args.warmup + args.steps, scheduler(args)
     lr_lambda = partial(
@@ -87,8 +87,8 @@ def train_loop(model, loader, args, device: torch.device) -> tuple[float, float]
 
 
 def plain(cfg: dict, init: dict, dm, args, device: torch.device) -> tuple[float, float]:
-    from parallama.model import Llama
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
 
     model = Llama(LlamaConfig(**cfg))
     model.load_state_dict(init)
@@ -103,8 +103,8 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
     from lightning.pytorch.loggers import CSVLogger
     from omegaconf import OmegaConf
 
-    from parallama.callbacks import TokenThroughputMonitor
-    from parallama.module import LlamaLM
+    from parallama.training.callbacks import TokenThroughputMonitor
+    from parallama.training.module import LlamaLM
 
     class Timer(L.Callback):
         def __init__(self):
@@ -152,8 +152,8 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
 
 
 def run(args) -> dict:
-    from parallama.model import Llama
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
 
     quiet()
     if args.threads:

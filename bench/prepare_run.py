@@ -1,7 +1,7 @@
 """Child process of `python -m bench data`: one timed token-cache build, as `parallama-prepare` runs it.
 
 Its own process, so that the build's spawned workers import this small module as their main module (as they
-import parallama.prepare under the CLI), not the benchmark's torch. Prints {"seconds", "tokens"} as JSON.
+import parallama.cli.prepare under the CLI), not the benchmark's torch. Prints {"seconds", "tokens"} as JSON.
 """
 
 from __future__ import annotations

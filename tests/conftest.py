@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parallama.launch import use_private_torch_extensions
+from parallama.runtime.launch import use_private_torch_extensions
 
 use_private_torch_extensions()  # one DeepSpeed op build for the whole suite, whatever HOME a test sets
 
@@ -67,7 +67,7 @@ def train(
     *args: str, cwd: Path, cache: Path, run_dir: Path | None = None, **kwargs
 ) -> subprocess.CompletedProcess:
     extra = [f"paths.cache_dir={cache}"] + ([f"hydra.run.dir={run_dir}"] if run_dir else [])
-    return run_cli("parallama.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
+    return run_cli("parallama.cli.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
 
 
 @pytest.fixture(scope="session")

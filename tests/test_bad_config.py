@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli
 
 from parallama import CONF_DIR
-from parallama.compose import preflight
+from parallama.config.compose import preflight
 from parallama.errors import ConfigError
 
 CASES = [  # (overrides, what the one line must say)
@@ -189,7 +189,9 @@ def test_good_input_passes(overrides):
     ],
 )
 def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
-    proc = run_cli("parallama.train", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+    proc = run_cli(
+        "parallama.cli.train", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert message in out

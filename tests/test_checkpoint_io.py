@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from parallama.checkpoint_io import AtomicCheckpointIO, DiskFullError, remove_stale_temps, temp_path
+from parallama.checkpoint.atomic import AtomicCheckpointIO, DiskFullError, remove_stale_temps, temp_path
 from parallama.errors import ConfigError
 
 

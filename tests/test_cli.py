@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import run_cli, train
 
-from parallama.launch import STALE_BUILD_LOCK_S, use_private_torch_extensions
+from parallama.runtime.launch import STALE_BUILD_LOCK_S, use_private_torch_extensions
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -75,7 +75,7 @@ def test_missing_checkpoint_is_reported(tmp_path, data_cache):
 
 
 def test_help_lists_groups(tmp_path):
-    proc = run_cli("parallama.train", "--help", cwd=tmp_path)
+    proc = run_cli("parallama.cli.train", "--help", cwd=tmp_path)
     assert "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp" in proc.stdout
 
 
@@ -89,7 +89,7 @@ def test_log_file_progress_and_a_full_width_config(tiny_run):
 
 
 def test_help_and_typos_answer_before_torch_loads(tmp_path):
-    code = "import sys, parallama.train; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
+    code = "import sys, parallama.cli.train; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
 

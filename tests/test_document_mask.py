@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from conftest import train
 
-from parallama import masks
-from parallama import model as model_module
 from parallama.data import TextDataModule, byte_level, embedded, special_ids
 from parallama.data.datasets import IGNORE_INDEX, PackedDataset
 from parallama.data.tokenizer import SpecialIds
 from parallama.errors import ConfigError
-from parallama.masks import document_mask
-from parallama.model import Llama
-from parallama.model_config import LlamaConfig
+from parallama.models.llama import masks
+from parallama.models.llama import model as model_module
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.masks import document_mask
+from parallama.models.llama.model import Llama
 
 VOCAB, BOT, EOT, PAD = 97, 94, 95, 96
 SPECIALS = SpecialIds(bot=BOT, eot=EOT, pad=PAD)
@@ -123,7 +123,7 @@ def test_position_ids_match_hf_llama():
 def test_training_loss_is_that_of_each_document_alone():
     """The LightningModule's loss on a window of three whole documents: the mean over the terms of the three
     documents trained alone (the EOT -> next BOT targets are not among them)."""
-    from parallama.module import LlamaLM
+    from parallama.training.module import LlamaLM
 
     tokens = stream([6, 11, 4], seed=7)  # 8 + 13 + 6 = 27 tokens: inputs 26, the last label is the last EOT
     item = PackedDataset(tokens, 26, SPECIALS)[0]

@@ -8,12 +8,12 @@ import subprocess
 import pytest
 from test_export import BIN, trained_run
 
-from parallama.convert import main as convert_main
-from parallama.evaluate import main as eval_main
-from parallama.export import main as export_main
-from parallama.generate import generate_text
-from parallama.generate import main as generate_main
-from parallama.plan import main as plan_main
+from parallama.cli.ckpt import main as convert_main
+from parallama.cli.evaluate import main as eval_main
+from parallama.cli.export import main as export_main
+from parallama.cli.generate import generate_text
+from parallama.cli.generate import main as generate_main
+from parallama.cli.plan import main as plan_main
 
 
 @pytest.fixture(scope="module")

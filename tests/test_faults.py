@@ -22,7 +22,7 @@ import torch
 from conftest import TINY, train
 from test_resume import LONG, weights
 
-from parallama.checkpoint import load_checkpoint
+from parallama.checkpoint.read import load_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"], "deepspeed": ["strategy=deepspeed"]}
@@ -38,7 +38,7 @@ def start(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
         if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "parallama.train", *TINY, *LONG, f"paths.cache_dir={cache}"]
+    cmd = [sys.executable, "-m", "parallama.cli.train", *TINY, *LONG, f"paths.cache_dir={cache}"]
     cmd += [f"hydra.run.dir={run_dir}", *args]
     return subprocess.Popen(
         cmd,
@@ -62,12 +62,12 @@ def adopt_orphans():
 
 
 def rank1(proc: subprocess.Popen, timeout: float = 120) -> int:
-    """The pid of the rank Lightning started: rank 0's child running parallama.train."""
+    """The pid of the rank Lightning started: rank 0's child running parallama.cli.train."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for child in psutil.Process(proc.pid).children():
             try:
-                if "parallama.train" in child.cmdline():
+                if "parallama.cli.train" in child.cmdline():
                     return child.pid
             except psutil.NoSuchProcess:
                 pass

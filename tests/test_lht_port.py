@@ -2,7 +2,7 @@
 
 Source: github.com/ashleve/lightning-hydra-template (MIT), tests/conftest.py, test_configs.py, test_train.py,
 test_sweeps.py and test_eval.py. What had to change, and why:
-- `src.train.train` -> `parallama.train.train`, `src.eval.evaluate` -> `parallama.evaluate.evaluate` (it
+- `src.train.train` -> `parallama.cli.train.train`, `src.eval.evaluate` -> `parallama.cli.evaluate.evaluate` (it
   returns the metrics only: it builds no Trainer); configs come from parallama's conf/ (`CONF_DIR`).
 - eval.yaml has no `model`/`trainer`: the model and its shape come from the checkpoint, and evaluation is a
   plain loop. Train's `test/acc` is the final `val/loss`, eval's is `loss` (on the same batches).
@@ -34,8 +34,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from parallama import CONF_DIR
-from parallama.evaluate import evaluate
-from parallama.train import train
+from parallama.cli.evaluate import evaluate
+from parallama.cli.train import train
 
 RunIfGPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -247,7 +247,7 @@ def run_sh_command(command: list[str], cache: Path, cwd: Path) -> None:
         if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
     }
     env.update(OMP_NUM_THREADS="1", WANDB_DIR=str(cwd), WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "parallama.train", *command, f"paths.cache_dir={cache}"]
+    cmd = [sys.executable, "-m", "parallama.cli.train", *command, f"paths.cache_dir={cache}"]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(command)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 

@@ -251,7 +251,7 @@ MIXTURE = [  # experiment=mixture (prose 0.7, code 0.3) on a few documents, with
 
 def _train(tmp_path, cache, run: str, *args: str, check: bool = True):
     where = [f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / run}"]
-    return run_cli("parallama.train", *MIXTURE, *where, *args, cwd=tmp_path, check=check)
+    return run_cli("parallama.cli.train", *MIXTURE, *where, *args, cwd=tmp_path, check=check)
 
 
 def _ckpt(path) -> dict:

@@ -3,13 +3,13 @@ import math
 import pytest
 import torch
 
-from parallama.model import (
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.model import (
     Llama,
     apply_rotary,
     generate,
     rope_inv_freq,
 )
-from parallama.model_config import LlamaConfig
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

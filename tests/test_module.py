@@ -9,10 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
-from parallama.checks import check_config
-from parallama.compose import preflight
+from parallama.config.checks import check_config
+from parallama.config.compose import preflight
 from parallama.errors import ConfigError
-from parallama.module import LlamaLM, warmup_cosine
+from parallama.training.module import LlamaLM, warmup_cosine
 
 SCHED = dict(warmup_steps=10, total_steps=110, start_factor=0.1, min_ratio=0.0)
 
@@ -106,7 +106,7 @@ def test_global_batch_derives_accumulation():
 def test_model_presets_validate_and_have_the_documented_size(preset):
     from omegaconf import OmegaConf
 
-    from parallama.model_config import LlamaConfig
+    from parallama.models.llama.config import LlamaConfig
 
     fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
     fields["vocab_size"] = fields["vocab_size"] or 320

@@ -35,9 +35,9 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     out = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert Path(out.stdout.strip()) == target / "parallama" / "conf", out.stderr
     for module, needle in [
-        ("parallama.train", "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp"),
-        ("parallama.evaluate", "ckpt_path: ???"),
-        ("parallama.prepare", "num_proc: null"),
+        ("parallama.cli.train", "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp"),
+        ("parallama.cli.evaluate", "ckpt_path: ???"),
+        ("parallama.cli.prepare", "num_proc: null"),
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", module, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True

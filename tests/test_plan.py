@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-from parallama.model import Llama
-from parallama.model_config import LlamaConfig
-from parallama.parallel.apply import apply_ac
-from parallama.plan import command, compose, estimate, main, plan, profiles
+from parallama.cli.plan import command, compose, estimate, main, plan, profiles
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.model import Llama
+from parallama.models.llama.parallelize import apply_ac
 
 STRATEGIES = profiles()
 
@@ -125,7 +125,7 @@ def test_cli_prints_table_and_recommendation():
     args = [
         sys.executable,
         "-m",
-        "parallama.plan",
+        "parallama.cli.plan",
         "model=llama3_8b",
         "trainer.devices=8",
         "gpu_memory_gb=80",
@@ -233,7 +233,7 @@ def test_a_new_strategy_class_appears_in_the_plan_with_no_other_file_touched(tmp
     """Adding a strategy = one class + one config file: parallama-plan reads the class's own declaration."""
     (tmp_path / "my_strategies.py").write_text(
         "from parallama.parallel import MemoryProfile\n"
-        "from parallama.parallel.ddp import DDP\n\n\n"
+        "from parallama.parallel.strategies.ddp import DDP\n\n\n"
         "class Halved(DDP):\n"
         "    name = 'halved'\n"
         "    memory_profiles = (MemoryProfile('halved', 'strategy=halved', 'autocast', 'go', guide='sharded'),)\n"
@@ -241,7 +241,7 @@ def test_a_new_strategy_class_appears_in_the_plan_with_no_other_file_touched(tmp
     (tmp_path / "conf" / "strategy").mkdir(parents=True)
     (tmp_path / "conf" / "strategy" / "halved.yaml").write_text("_target_: my_strategies.Halved\n")
     args = ["--config-dir", str(tmp_path / "conf"), "model=llama3_8b", "trainer.devices=8", "json=true"]
-    out = run_cli("parallama.plan", *args, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}).stdout
+    out = run_cli("parallama.cli.plan", *args, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}).stdout
     estimates = json.loads(out)["estimates"]
     assert list(estimates)[:3] == ["ddp", "halved", "ddp_sharded"]  # its guide step, before the built-ins
     assert estimates["halved"]["optim"] == estimates["ddp_sharded"]["optim"]  # sharded like ZeRO-1's

@@ -22,13 +22,13 @@ from conftest import LAUNCH_ENV, TINY, run_cli, train
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
+from parallama.cli.prepare import prepare
 from parallama.data import PackedDataset, TextDataModule, byte_level, embedded, train_bpe
 from parallama.data.cache import TokenCache, load_tokenizer
 from parallama.data.parts import part_paths
 from parallama.data.progress import Progress
 from parallama.data.shards import ShardedTokens, ShardWriter
 from parallama.errors import ConfigError
-from parallama.prepare import prepare
 
 PROSE = partial(embedded)  # 79 documents, 465 K characters
 SMALL = {"part_chars": 20_000, "shard_tokens": 50_000}  # many parts and shards from a small corpus
@@ -248,7 +248,7 @@ def test_progress_gives_the_share_done_and_an_eta(caplog):
     ],
 )
 def test_bad_prepare_values_are_one_error_line(tmp_path, args, message):
-    proc = run_cli("parallama.prepare", *args, f"paths.cache_dir={tmp_path}", cwd=tmp_path, check=False)
+    proc = run_cli("parallama.cli.prepare", *args, f"paths.cache_dir={tmp_path}", cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if "error" in line.lower()]
     assert proc.returncode == 2 and errors == [f"error: {message}"], out[-2000:]
@@ -262,7 +262,7 @@ def test_kill_9_during_prepare_then_rerun_completes_with_identical_shards(tmp_pa
     args += ["prepare.part_chars=20000", "prepare.shard_tokens=300000", f"paths.cache_dir={tmp_path / 'c'}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parallama.prepare", *args],
+        [sys.executable, "-m", "parallama.cli.prepare", *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -278,7 +278,7 @@ def test_kill_9_during_prepare_then_rerun_completes_with_identical_shards(tmp_pa
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert not list((tmp_path / "c").glob("*/index.json"))  # killed mid-way
-    rerun = run_cli("parallama.prepare", *args, cwd=tmp_path)
+    rerun = run_cli("parallama.cli.prepare", *args, cwd=tmp_path)
     n_parts, reused = parts_line(rerun.stdout + rerun.stderr)
     assert len(done) <= reused < n_parts  # what was finished is kept, the rest is done now
     reference = TokenCache(
@@ -299,7 +299,7 @@ def parts_line(text: str) -> tuple[int, int]:
 @pytest.mark.slow  # two training runs: ~40 s
 def test_prepare_then_train_equals_train_building_the_cache(tmp_path):
     """The CLIs end to end: a run on a prepared cache trains exactly what a run that builds the cache trains."""
-    run_cli("parallama.prepare", *TINY, f"paths.cache_dir={tmp_path / 'a'}", cwd=tmp_path)
+    run_cli("parallama.cli.prepare", *TINY, f"paths.cache_dir={tmp_path / 'a'}", cwd=tmp_path)
     prepared = train(cwd=tmp_path, cache=tmp_path / "a", run_dir=tmp_path / "run_a")
     assert "building token cache" not in prepared.stdout + prepared.stderr
     built = train(cwd=tmp_path, cache=tmp_path / "b", run_dir=tmp_path / "run_b")

@@ -39,7 +39,7 @@ def start_training(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "parallama.train",
+        "parallama.cli.train",
         *TINY,
         *LONG,
         f"paths.cache_dir={cache}",
@@ -114,7 +114,7 @@ def test_truncated_checkpoint_names_the_file(finished, tmp_path):
     data = (finished / "checkpoints" / "last.ckpt").read_bytes()
     broken.write_bytes(data[: len(data) // 2])
     proc = run_cli(
-        "parallama.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False
+        "parallama.cli.export", f"ckpt_path={broken}", f"out_dir={tmp_path / 'hf'}", cwd=tmp_path, check=False
     )
     assert proc.returncode == 2 and f"{broken}" in proc.stderr and "truncated or corrupt" in proc.stderr
 

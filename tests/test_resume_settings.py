@@ -18,7 +18,7 @@ from conftest import train
 
 from parallama.data.position import saved_position
 from parallama.errors import ConfigError
-from parallama.launch import resolve_ckpt_path
+from parallama.runtime.launch import resolve_ckpt_path
 
 # A constant LR, so that a run's schedule does not depend on its length: extending a run is then comparable
 # with a run that was that long from the start (with the default cosine the longer run's schedule differs).

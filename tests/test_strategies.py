@@ -16,7 +16,7 @@ import torch
 from conftest import TINY, train
 from safetensors.torch import load_file
 
-from parallama.export import export as export_hf
+from parallama.cli.export import export as export_hf
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"]
@@ -187,7 +187,7 @@ def test_torchrun_two_nodes_on_localhost(reference, tmp_path, data_cache):
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 "-m",
-                "parallama.train",
+                "parallama.cli.train",
                 *args,
             ],
             cwd=tmp_path,

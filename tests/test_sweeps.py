@@ -12,8 +12,8 @@ from conftest import TINY, run_cli, train
 from hydra import compose, initialize_config_dir
 from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixture applies here too)
 
-from parallama.checkpoint import read_client_state
-from parallama.train import CONF_DIR
+from parallama.checkpoint.read import read_client_state
+from parallama.cli.train import CONF_DIR
 
 
 def free_port() -> int:
@@ -53,7 +53,7 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strateg
         "validate_before_training=false"
     ]  # one spawn per ddp_spawn job (validate + fit: test_strategies)
     env = {"MASTER_PORT": str(free_port())} if strategy == "ddp" else {}
-    run_cli("parallama.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path, env=env)
+    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path, env=env)
     jobs = job_dirs(tmp_path)
     assert [job.name for job in jobs] == ["0", "1"]
     for job, lr in zip(jobs, lrs):
@@ -118,7 +118,7 @@ def test_presets_compose(overrides):
 
 
 def test_article_preset_prints_its_config_offline(tmp_path):
-    proc = run_cli("parallama.train", "experiment=article_180m", "--cfg", "job", cwd=tmp_path)
+    proc = run_cli("parallama.cli.train", "experiment=article_180m", "--cfg", "job", cwd=tmp_path)
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["task_name"] == "article_180m" and cfg["global_batch_size"] == 64
     assert not (tmp_path / "logs").exists()

@@ -11,8 +11,8 @@ import torch
 from conftest import train
 from wandb.proto import wandb_internal_pb2
 
-from parallama.checkpoint import read_client_state
-from parallama.loggers import wandb_logger
+from parallama.checkpoint.read import read_client_state
+from parallama.training.loggers import wandb_logger
 
 
 @pytest.fixture(autouse=True)

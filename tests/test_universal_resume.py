@@ -30,7 +30,7 @@ import pytest
 import torch
 from conftest import run_cli, train
 
-from parallama.parallel import universal
+from parallama.checkpoint import universal
 
 CONSTANT_LR = ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=1", "optimizer.lr=3e-4"]
 QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
@@ -138,9 +138,11 @@ def test_a_run_continues_under_another_strategy_and_world_size(runs, link, a, m,
 def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_state(runs, tmp_path):
     """parallama-ckpt convert, offline: a DeepSpeed ZeRO-3 folder to a file, and that file to a DCP folder."""
     source = runs["dir"] / _name(1) / "checkpoints" / "last.ckpt"  # ds3@1 at step 4
-    run_cli("parallama.convert", f"src={source}", f"out={tmp_path / 'one.ckpt'}", "format=file", cwd=tmp_path)
     run_cli(
-        "parallama.convert",
+        "parallama.cli.ckpt", f"src={source}", f"out={tmp_path / 'one.ckpt'}", "format=file", cwd=tmp_path
+    )
+    run_cli(
+        "parallama.cli.ckpt",
         f"src={tmp_path / 'one.ckpt'}",
         f"out={tmp_path / 'dcp'}",
         "format=dcp",
@@ -151,7 +153,7 @@ def test_convert_writes_any_checkpoint_as_a_file_or_a_dcp_folder_with_the_same_s
     for converted in (tmp_path / "one.ckpt", tmp_path / "dcp"):
         _assert_same_state(universal.read(converted), before)
     refused = run_cli(
-        "parallama.convert", f"src={source}", f"out={tmp_path / 'one.ckpt'}", cwd=tmp_path, check=False
+        "parallama.cli.ckpt", f"src={source}", f"out={tmp_path / 'one.ckpt'}", cwd=tmp_path, check=False
     )
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
     assert "exists" in refused.stderr
@@ -166,7 +168,7 @@ def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs,
     source = runs["dir"] / _name(3) / "checkpoints" / "last.ckpt"
     out = tmp_path / "zero1"
     args = [f"src={source}", f"out={out}", "format=deepspeed", "devices=2", "stage=1"]
-    run_cli("parallama.convert", *args, cwd=tmp_path)
+    run_cli("parallama.cli.ckpt", *args, cwd=tmp_path)
     assert universal.writer_info(out) == {
         "format": "deepspeed",
         "strategy": "deepspeed",
@@ -190,7 +192,7 @@ def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs,
         "precision=bf16-mixed",
         "offload=true",
     ]
-    run_cli("parallama.convert", *args, cwd=tmp_path)
+    run_cli("parallama.cli.ckpt", *args, cwd=tmp_path)
     info = universal.writer_info(bf16)
     assert (info["stage"], info["offload"], info["precision"]) == (3, True, "bf16-mixed")
     _assert_same_state(universal.read(bf16), before)

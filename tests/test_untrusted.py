@@ -12,12 +12,12 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from omegaconf import OmegaConf
 
-from parallama.checkpoint import load_checkpoint
+from parallama.checkpoint.read import load_checkpoint
+from parallama.checkpoint.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
 from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
-from parallama.model import Llama
-from parallama.model_config import LlamaConfig
-from parallama.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.model import Llama
 
 CONFIG = LlamaConfig(
     vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
@@ -134,18 +134,18 @@ def test_a_payload_is_refused_by_name_and_never_runs(case, tmp_path):
 @pytest.mark.parametrize(
     ("tool", "case"),
     [
-        ("parallama.export", "file"),
-        ("parallama.export", "dcp-.metadata"),
-        ("parallama.evaluate", "deepspeed-model_states"),
-        ("parallama.evaluate", "dcp-meta.pt"),
-        ("parallama.generate", "deepspeed-optim_states"),
-        ("parallama.generate", "file"),
+        ("parallama.cli.export", "file"),
+        ("parallama.cli.export", "dcp-.metadata"),
+        ("parallama.cli.evaluate", "deepspeed-model_states"),
+        ("parallama.cli.evaluate", "dcp-meta.pt"),
+        ("parallama.cli.generate", "deepspeed-optim_states"),
+        ("parallama.cli.generate", "file"),
     ],
 )
 def test_the_tools_refuse_a_payload_in_one_line(tool, case, tmp_path):
     marker = tmp_path / "pwned"
     path = make(case, tmp_path, marker)
-    args = [f"ckpt_path={path}"] + ([f"out_dir={tmp_path / 'hf'}"] if tool == "parallama.export" else [])
+    args = [f"ckpt_path={path}"] + ([f"out_dir={tmp_path / 'hf'}"] if tool == "parallama.cli.export" else [])
     proc = run_cli(tool, *args, cwd=tmp_path, check=False)
     assert_one_error(proc, "os.makedirs, which is not allowed in a checkpoint (possible code execution)")
     assert not marker.exists() and not (tmp_path / "hf").exists()
@@ -214,7 +214,7 @@ def test_eval_instantiates_nothing_foreign_from_the_run_config(tmp_path, key, va
     if value == "os.makedirs":
         node["name"] = str(marker)
     (run / "resolved_config.yaml").write_text(OmegaConf.to_yaml(config))
-    proc = run_cli("parallama.evaluate", f"ckpt_path={ckpt}", cwd=tmp_path, check=False)
+    proc = run_cli("parallama.cli.evaluate", f"ckpt_path={ckpt}", cwd=tmp_path, check=False)
     assert_one_error(proc, str(run / "resolved_config.yaml"), needle)
     assert not marker.exists()
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO <-> universal state (parallama.parallel.zero_state), on real multi-process DeepSpeed runs (gloo).
+"""DeepSpeed ZeRO <-> universal state (parallama.checkpoint.zero), on real multi-process DeepSpeed runs (gloo).
 
 The running-engine functions are driven from inside training by tests/zero_probe.py (a Lightning callback added
 with a Hydra override); each run is its own subprocess, as Lightning's ddp re-executes the command line.
@@ -14,7 +14,7 @@ import torch
 from conftest import train
 
 import parallama
-from parallama.parallel.zero_state import DEEPSPEED_KEYS, read_zero_checkpoint
+from parallama.checkpoint.zero import DEEPSPEED_KEYS, read_zero_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 TESTS = Path(__file__).parent

@@ -1,5 +1,5 @@
 """Test-only Lightning callback (loaded with `+callbacks.probe._target_=zero_probe.ZeroProbe`): drives
-parallama.parallel.zero_state inside a real multi-process DeepSpeed run, where only a running engine exists.
+parallama.checkpoint.zero inside a real multi-process DeepSpeed run, where only a running engine exists.
 
 At the start of optimizer step `at + 1` (global_step == at) it dumps `gather_from_deepspeed` to <out>/before.pt,
 writes a Lightning checkpoint to <out>/ckpt_at if `save`, and if `load` is given puts that universal state file
@@ -14,7 +14,7 @@ import os
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from parallama.parallel.zero_state import gather_from_deepspeed, load_into_deepspeed
+from parallama.checkpoint.zero import gather_from_deepspeed, load_into_deepspeed
 
 
 class ZeroProbe(Callback):

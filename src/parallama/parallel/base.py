@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from parallama.parallel import universal
+from parallama.checkpoint import universal
 
 log = logging.getLogger("parallama")
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -96,7 +96,7 @@ class Parallelism:
         """After building, before `load_pretrained`: the constructor's initialization stands by default."""
 
     def load_pretrained(self, model, init_from: str) -> None:
-        from parallama.hf import load_hf_weights
+        from parallama.models.llama.hf import load_hf_weights
 
         load_hf_weights(model, init_from)
 
@@ -106,7 +106,7 @@ class Parallelism:
         return param.shape
 
     def parallelize(self, model, *, compile: bool, activation_checkpointing: bool):
-        from parallama.parallel.apply import apply_ac, apply_compile
+        from parallama.models.llama.parallelize import apply_ac, apply_compile
 
         if activation_checkpointing:
             apply_ac(model)

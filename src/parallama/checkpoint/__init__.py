@@ -1,0 +1,1 @@
+"""Checkpoints of every strategy: reading, safe (weights-only) loading, atomic writing, the universal state."""

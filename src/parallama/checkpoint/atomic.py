@@ -1,0 +1,76 @@
+"""Single-file checkpoints written atomically beside their target, and read weights-only.
+
+Lightning's TorchCheckpointIO saves through fsspec: a temp file in $TMPDIR, then `shutil.move`, which is a
+copy when the run directory is on another filesystem (a kill mid-copy or a full disk truncates `last.ckpt`),
+and a write killed on the same filesystem leaves a checkpoint-sized `tmpXXXX` in $TMPDIR. Here the temp file
+is `.<name>.tmp-<pid>` in the target's own directory, fsynced, then `os.replace`d over the target.
+DeepSpeed and FSDP (distributed checkpoints) write their folders themselves; this covers the single files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from parallama.checkpoint.read import load_weights_only
+from parallama.errors import ConfigError
+
+_TEMP = re.compile(r"\..+\.tmp-\d+")
+
+
+class DiskFullError(ConfigError):
+    """The disk filled up while a checkpoint was written; the previous checkpoint file is untouched."""
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temps(dirpath: str | os.PathLike) -> list[Path]:
+    """Delete temp files a killed save left in a checkpoint directory (call before training starts)."""
+    stale = [p for p in Path(dirpath).glob(".*.tmp-*") if _TEMP.fullmatch(p.name) and p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`trainer.save_checkpoint` never leaves a partial file at the target, on any filesystem."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            tmp.unlink(missing_ok=True)
+            if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+                raise DiskFullError(
+                    f"no space left writing {path}; the previous checkpoint is intact"
+                ) from None
+            raise
+        directory = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power loss
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None) -> dict:
+        """Weights-only whatever the caller asks: a checkpoint may come from elsewhere."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return load_weights_only(path, map_location=map_location)

@@ -1,0 +1,198 @@
+"""Read any strategy's training checkpoint into plain weights + config.
+
+Formats (Lightning's ModelCheckpoint writes `last.ckpt` / `stepNNNNNNN.ckpt` as one of):
+- a file (auto, ddp, ddp_spawn, ddp_sharded): torch.save'd dict with `state_dict` and client state;
+- a DeepSpeed folder (`latest`, `<tag>/*model_states.pt`, `<tag>/*optim_states.pt`): fp32 weights are
+  rebuilt from the ZeRO partitions, client state is in the rank-0 model-states file;
+- a torch.distributed.checkpoint folder (FSDP2, `.metadata`, `*.distcp`): tensors under `state_dict.*`
+  and `optimizer_0.*`, client state in `meta.pt`.
+
+Checkpoints may come from elsewhere: every pickle is read through `untrusted` (weights-only, allow-listed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from parallama.checkpoint.untrusted import (
+    _safe_dcp_reader,
+    _verify_dcp,
+    _verify_deepspeed,
+    deepspeed_types,
+    load_weights_only,
+    weights_only_loads,
+)
+from parallama.errors import ConfigError
+from parallama.models.llama.config import LlamaConfig
+
+PREFIX = "model."  # LlamaLM keeps its Llama at `self.model`
+
+
+@dataclass
+class LoadedCheckpoint:
+    state_dict: dict[str, Tensor]  # our Llama keys, fp32, on CPU
+    config: LlamaConfig
+    tokenizer_json: str | None  # None in checkpoints written before tokenizers were embedded
+    meta: dict  # the rest of the client state: hyper_parameters, global_step, tokens_seen, ...
+
+
+def _load_file(path: str) -> tuple[dict, dict]:
+    ckpt = load_weights_only(path)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ConfigError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
+    meta = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+    return ckpt["state_dict"], meta
+
+
+def _load_deepspeed(path: str) -> tuple[dict, dict]:
+    """fp32 weights merged from the ZeRO partitions by DeepSpeed's own zero_to_fp32 (no moments, unlike
+    `parallel.zero_state`, which resuming needs)."""
+    tag = Path(path, "latest").read_text().strip()
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
+    files = [f for name in names if (f := Path(path, tag, name)).is_file()]
+    if not files:
+        raise ConfigError(
+            f"checkpoint {path}/{tag} has none of {names}; the DeepSpeed checkpoint is incomplete"
+        )
+    _verify_deepspeed(path)
+    client = load_weights_only(files[0])
+    try:
+        with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(path, tag)
+    except Exception as err:
+        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({err})") from None
+    drop = ("module", "optimizer", "lr_scheduler", "param_shapes", "frozen_param_shapes", "shared_params")
+    return state_dict, {k: v for k, v in client.items() if k not in drop}
+
+
+def _load_dcp(path: str) -> tuple[dict, dict]:
+    """Read only the model's tensors, in one process, without a process group: export, eval and generate need a
+    third of what `parallel.universal.read` (weights + AdamW moments, for resuming) holds in memory."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = _verify_dcp(path)
+    try:
+        state_dict = {
+            k.removeprefix("state_dict."): torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith("state_dict.")
+        }
+        with warnings.catch_warnings(), weights_only_loads([]):
+            # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"state_dict": state_dict}, storage_reader=_safe_dcp_reader(path), no_dist=True)
+    except Exception as err:
+        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    meta_file = Path(path, "meta.pt")
+    return state_dict, load_weights_only(meta_file) if meta_file.is_file() else {}
+
+
+def read_client_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's non-tensor state (hyper_parameters, counters, tokenizer), without reading the weights."""
+    path = str(path)
+    if os.path.isfile(path):
+        ckpt = load_weights_only(path, mmap=True)  # tensors stay on disk
+        return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+    if os.path.exists(os.path.join(path, "latest")):
+        tag = Path(path, "latest").read_text().strip()
+        files = sorted(Path(path, tag).glob("*model_states.pt"))
+        return load_weights_only(files[0], mmap=True) if files else {}
+    meta_file = Path(path, "meta.pt")
+    return load_weights_only(meta_file) if meta_file.is_file() else {}
+
+
+def check_resumable(path: str | os.PathLike, model: dict) -> None:
+    """Resuming needs the same model shape; say which field differs instead of a state-dict traceback."""
+    saved = (read_client_state(path).get("hyper_parameters") or {}).get("model")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"ckpt_path={path} is not a parallama checkpoint (no hyper_parameters.model)")
+    for key, value in LlamaConfig(**saved).__dict__.items():
+        if model.get(key, value) != value:
+            raise ConfigError(
+                f"ckpt_path={path} was trained with model.{key}={value} but this run has model.{key}={model[key]}; "
+                "resume with the checkpoint's model settings"
+            )
+
+
+def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
+    """Weights (our Llama keys), model config, tokenizer and client state of a checkpoint of any format."""
+    path = str(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"ckpt_path={path} does not exist")
+    if os.path.isfile(path):
+        state_dict, meta = _load_file(path)
+    elif os.path.exists(os.path.join(path, "latest")):
+        state_dict, meta = _load_deepspeed(path)
+    elif os.path.exists(os.path.join(path, ".metadata")):
+        state_dict, meta = _load_dcp(path)
+    else:
+        raise ConfigError(
+            f"ckpt_path={path} is a folder but neither a DeepSpeed checkpoint (latest) nor a distributed one (.metadata)"
+        )
+    model_kwargs = (meta.get("hyper_parameters") or {}).get("model")
+    if not isinstance(model_kwargs, dict):
+        raise ConfigError(f"checkpoint {path} is not a parallama checkpoint (no hyper_parameters.model)")
+    config = LlamaConfig(**model_kwargs)
+    ours = {k.removeprefix(PREFIX): v.float() for k, v in state_dict.items() if k.startswith(PREFIX)}
+    if config.tie_word_embeddings and "embed_tokens.weight" in ours:
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]  # some formats store a tied tensor once
+    return LoadedCheckpoint(ours, config, meta.pop("tokenizer", None), meta)
+
+
+def load_state_into(model: nn.Module, state_dict: dict[str, Tensor], source: str = "checkpoint") -> None:
+    """load_state_dict with a one-line error naming the first key that does not fit `model`."""
+    expected = model.state_dict()
+    for key, tensor in expected.items():
+        if key not in state_dict:
+            raise ConfigError(f"{source} has no {key}; it is not from this model (architecture differs)")
+        if state_dict[key].shape != tensor.shape:
+            raise ConfigError(
+                f"{source} has {key} of shape {tuple(state_dict[key].shape)} but the model expects "
+                f"{tuple(tensor.shape)}; set model.* to the checkpoint's shape"
+            )
+    if extra := sorted(set(state_dict) - set(expected)):
+        raise ConfigError(f"{source} has {extra[0]}, which the model does not have (architecture differs)")
+    model.load_state_dict(state_dict)
+
+
+def run_config_path(ckpt_path: str | os.PathLike) -> Path:
+    """<run>/checkpoints/<ckpt> -> <run>/resolved_config.yaml."""
+    return Path(ckpt_path).resolve().parent.parent / "resolved_config.yaml"
+
+
+def run_config(ckpt_path: str | os.PathLike) -> DictConfig | None:
+    """The training run's resolved_config.yaml as plain values: it travels with the checkpoint, so an
+    interpolation in it is refused, not resolved."""
+    path = run_config_path(ckpt_path)
+    if not path.is_file():
+        return None
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as err:
+        raise ConfigError(f"{path} is not a readable YAML config ({str(err).splitlines()[0]})") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path} is not a mapping of config keys")
+    for key, value in _leaves(OmegaConf.to_container(cfg, resolve=False)):
+        if isinstance(value, str) and "${" in value:
+            raise ConfigError(f"{path} has {key}={value}, an interpolation; it must hold plain values")
+    return cfg
+
+
+def _leaves(node, prefix: str = "") -> Iterator[tuple[str, object]]:
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    if not items:
+        yield prefix, node
+    for key, value in items:
+        yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))

@@ -1,0 +1,188 @@
+"""The universal checkpoint: any strategy's checkpoint, at any world size, as one strategy-free state.
+
+Every strategy writes its own format (a Lightning file, a DeepSpeed folder, a DCP folder) and reads it back
+natively when nothing changed. Otherwise (another strategy, another world size where the format cannot
+reshard) the checkpoint is read into a `UniversalState`: full fp32 tensors keyed by the LightningModule's
+parameter names, the optimizer state in the layout torch's `get_optimizer_state_dict(full_state_dict=True)`
+uses ({"state": {name: {exp_avg, exp_avg_sq, step}}, "param_groups": [{..., "params": [names]}]}), and the
+rest of Lightning's checkpoint (loops, LR schedulers, callbacks, data position, W&B run id). The running
+strategy's class then puts it in place (`Parallelism.load_universal`). `parallama-ckpt convert` writes one
+to a file or DCP folder offline.
+
+Every rank reads the whole state into host memory: fine up to models whose fp32 weights and moments fit
+in a node's RAM several times over; bigger runs keep their strategy and world size (the native path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.untrusted import (
+    _safe_dcp_reader,
+    _verify_dcp,
+    load_weights_only,
+    weights_only_loads,
+)
+from parallama.errors import ConfigError
+
+INFO_KEY = "parallel"  # checkpoint[INFO_KEY]: who wrote it (strategy, world size, format, optimizer keys)
+LIGHTNING_TENSORS = ("state_dict", "optimizer_states")
+
+
+@dataclass
+class UniversalState:
+    model: dict[str, Tensor]
+    optimizer: dict | None  # None: the checkpoint holds weights only
+    client: dict
+
+
+def checkpoint_format(path: str | os.PathLike) -> str:
+    path = str(path)
+    if os.path.isfile(path):
+        return "file"
+    if os.path.exists(os.path.join(path, "latest")):
+        return "deepspeed"
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return "dcp"
+    raise ConfigError(
+        f"ckpt_path={path} is neither a checkpoint file, a DeepSpeed checkpoint (latest) nor a distributed one (.metadata)"
+    )
+
+
+def writer_info(path: str | os.PathLike) -> dict:
+    """Who wrote the checkpoint; checkpoints that predate the record give only their format."""
+    return {"format": checkpoint_format(path), **(read_client_state(path).get(INFO_KEY) or {})}
+
+
+def read(path: str | os.PathLike) -> UniversalState:
+    fmt = checkpoint_format(path)
+    if fmt == "file":
+        return _read_file(str(path))
+    if fmt == "deepspeed":
+        from parallama.checkpoint.zero import read_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
+            model, optimizer, client = read_zero_checkpoint(str(path))
+        return UniversalState(model, optimizer, client)
+    return _read_dcp(str(path))
+
+
+def _read_file(path: str) -> UniversalState:
+    ckpt = load_weights_only(path)
+    model, optimizers = ckpt.pop("state_dict"), ckpt.pop("optimizer_states", None)
+    names = (ckpt.get(INFO_KEY) or {}).get("optimizer_keys")
+    optimizer = None
+    if optimizers:
+        if names is None:
+            raise ConfigError(
+                f"ckpt_path={path} predates universal checkpoints (it does not name its optimizer's tensors); "
+                "resume it with the strategy that wrote it"
+            )
+        optimizer = keyed_by_name(optimizers[0], names)
+    return UniversalState(model, optimizer, ckpt)
+
+
+def _read_dcp(path: str) -> UniversalState:
+    """A DCP folder (FSDP2's, or parallama-ckpt's) in one process: everything in it, nested as it was saved."""
+    from parallama.runtime.compat import load_whole_dcp
+
+    _verify_dcp(path)
+    try:
+        with warnings.catch_warnings(), weights_only_loads([]):
+            warnings.simplefilter("ignore", UserWarning)  # "loading in a single process": it is
+            state = load_whole_dcp(_safe_dcp_reader(path))
+    except Exception as err:
+        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    meta_file = Path(path, "meta.pt")
+    client = load_weights_only(meta_file) if meta_file.is_file() else {}
+    return UniversalState(state["state_dict"], state.get("optimizer_0"), client)
+
+
+# --- optimizer state: tensor index <-> parameter name ----------------------------------------------------
+
+
+def keyed_by_name(state_dict: dict, names: list[str]) -> dict:
+    """A torch optimizer state dict (tensors numbered as `names` lists them) keyed by parameter name."""
+    return {
+        "state": {names[i]: dict(s) for i, s in state_dict["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state_dict["param_groups"]
+        ],
+    }
+
+
+def keyed_by_index(universal: dict, param_groups: list[dict], name_of: dict[int, str]) -> dict:
+    """The torch optimizer state dict for an optimizer whose `param_groups` hold the parameters named by
+    `name_of` (id(param) -> name), numbered in group order as `Optimizer.state_dict` numbers them.
+
+    Hyper-parameters come from the universal group that holds the group's first parameter."""
+    group_of = {n: g for g in universal["param_groups"] for n in g["params"]}
+    state, groups, index = {}, [], 0
+    for group in param_groups:
+        names = [name_of[id(p)] for p in group["params"]]
+        missing = [n for n in names if n not in group_of]
+        if missing:
+            raise ConfigError(
+                f"the checkpoint's optimizer has no state for {missing[0]} (architecture differs)"
+            )
+        saved = group_of[names[0]]
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": []})
+        for name in names:
+            if name in universal["state"]:
+                state[index] = universal["state"][name]
+            groups[-1]["params"].append(index)
+            index += 1
+    return {"state": state, "param_groups": groups}
+
+
+def names_in_group_order(optimizer, module: torch.nn.Module) -> list[str]:
+    """The names of an optimizer's parameters as `state_dict()` numbers them (group by group)."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+# --- writing (parallama-ckpt convert) --------------------------------------------------------------------
+
+
+def write(state: UniversalState, out: str | os.PathLike, fmt: str) -> None:
+    """As a Lightning file (any strategy resumes it, ddp/ddp_sharded/auto natively) or a DCP folder."""
+    out = Path(out)
+    if out.exists():
+        raise ConfigError(f"{out} exists; give a new path")
+    info = {"strategy": "converted", "format": fmt}
+    if fmt == "file":
+        names = [n for g in (state.optimizer or {}).get("param_groups", []) for n in g["params"]]
+        ckpt = {**state.client, "state_dict": state.model, INFO_KEY: {**info, "optimizer_keys": names}}
+        if state.optimizer is not None:
+            index = {n: i for i, n in enumerate(names)}
+            ckpt["optimizer_states"] = [
+                {
+                    "state": {index[n]: s for n, s in state.optimizer["state"].items()},
+                    "param_groups": [
+                        {**g, "params": [index[n] for n in g["params"]]}
+                        for g in state.optimizer["param_groups"]
+                    ],
+                }
+            ]
+        torch.save(ckpt, out)
+    elif fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        tensors = {"state_dict": state.model}
+        if state.optimizer is not None:
+            tensors["optimizer_0"] = state.optimizer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, checkpoint_id=str(out), no_dist=True)
+        torch.save({**state.client, INFO_KEY: info}, out / "meta.pt")
+    else:
+        raise ConfigError(f"format={fmt} is not one of file, dcp")

@@ -1,0 +1,1 @@
+"""The command-line tools, one module each (`parallama-<tool>`, see pyproject.toml's [project.scripts])."""

@@ -1,0 +1,151 @@
+"""`parallama-prepare` (or `python -m parallama.cli.prepare`): the tokenizer and the token cache, built ahead of training.
+
+A Hydra app over the training config (conf/prepare.yaml composes conf/train.yaml), so the overrides of a training
+run name the same cache entry, which that run then reuses:
+
+    parallama-prepare data/source=files data.source.paths='corpus/*.jsonl' tokenizer=bpe
+    parallama-train   data/source=files data.source.paths='corpus/*.jsonl' tokenizer=bpe strategy=ddp ...
+
+Tokenizing runs in `prepare.num_proc` processes, keeps finished parts across a kill (a rerun continues), and can be
+spread over nodes (`prepare.num_nodes`, `prepare.node_rank`); see `parallama.data.cache` and docs/data.md.
+Neither torch nor Lightning is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import nullcontext
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from parallama import CONF_DIR
+from parallama.config.checks import _RULES, Rule, _show
+from parallama.config.compose import compose_job
+from parallama.data.cache import STEPS
+from parallama.errors import ConfigError
+
+log = logging.getLogger("parallama")
+RULES = {
+    **{k: rule for k, rule in _RULES.items() if k.startswith(("seed", "data.", "tokenizer."))},
+    "prepare.num_proc": Rule(int, 1, allow=(None,)),
+    "prepare.num_nodes": Rule(int, 1),
+    "prepare.node_rank": Rule(int, 0),
+    "prepare.step": Rule(str, choices=("tokenizer", *STEPS)),
+    "prepare.part_chars": Rule(int, 1),
+    "prepare.shard_tokens": Rule(int, 1),
+}
+
+
+def check(cfg: DictConfig) -> None:
+    """The values `prepare` uses, each in one line naming the key (nothing else of the training config matters)."""
+    for key, rule in RULES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig) and leaf in node and not rule.valid(node[leaf]):
+            raise ConfigError(f"{key}={_show(node[leaf])} is not valid; use {rule.describe()}")
+    p = cfg.prepare
+    if p.node_rank >= p.num_nodes:
+        raise ConfigError(
+            f"prepare.node_rank={p.node_rank} is not below prepare.num_nodes={p.num_nodes}; "
+            f"use 0..{p.num_nodes - 1}"
+        )
+
+
+def cores() -> int:
+    """The cores this process may run on (a SLURM or container CPU limit), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare(cfg: DictConfig) -> list:
+    """Build (or find) the entry, or every source's entry of a mixture (`data.sources`, one tokenizer for all);
+    returns them, without those a node leaves to node 0's index step."""
+    from functools import partial
+
+    from parallama.data.cache import TokenCache, load_tokenizer, source_key
+    from parallama.data.sources import interleave, mixture_key, mixture_sources, named
+
+    check(cfg)
+    data, p = cfg.data, cfg.prepare
+    source = hydra.utils.instantiate(data.get("source"))
+    mixture = mixture_sources(source, hydra.utils.instantiate(data.get("sources")))
+    if mixture:  # as the data module: the tokenizer reads every source, each source has its own entry
+        stream, key = partial(interleave, mixture), mixture_key(mixture)
+        sources = {name: source for name, (_, source) in sorted(mixture.items())}
+    else:
+        stream, key, sources = source, source_key(source), {"": source}  # finds missing paths before any work
+    tokenizer = load_tokenizer(stream, hydra.utils.instantiate(data.tokenizer), data.cache_dir, key)
+    if p.step == "tokenizer":
+        return []
+    num_proc = p.num_proc or cores()
+    where = f" on node {p.node_rank} of {p.num_nodes}" if p.num_nodes > 1 else ""
+    note = "" if p.step == "index" else f" with {num_proc} process{'es' if num_proc > 1 else ''}{where}"
+    entries = []
+    for name, source in sources.items():
+        with named(name) if name else nullcontext():
+            cache = TokenCache(
+                source, tokenizer, data.cache_dir, data.val_fraction, data.seed, source_key(source)
+            )
+            entry = cache.build_or_open(
+                num_proc=num_proc,
+                num_nodes=p.num_nodes,
+                node_rank=p.node_rank,
+                step=p.step,
+                part_chars=p.part_chars,
+                shard_tokens=p.shard_tokens,
+                batch_size=data.get("tokenize_batch_size", 1000),
+                note=note,
+            )
+        label = f"{name}: " if name else ""
+        if entry is not None:
+            log.info(f"{label}token cache ready: {entry.path}: {entry.summary()}")
+            entries.append(entry)
+        elif p.step == "parts":
+            log.info(f"{label}node {p.node_rank}: parts done; write the index with prepare.step=index")
+        else:
+            log.info(
+                f"{label}node {p.node_rank}: parts done; node 0 writes the index once every node's parts exist"
+            )
+    return entries
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and check as Hydra will, so that a typo is one line (Hydra's own flags are left to it)."""
+    from hydra import initialize_config_dir
+
+    if any(arg.startswith("-") for arg in argv):
+        return
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose_job("prepare", argv)
+    if missing := sorted(k for k in OmegaConf.missing_keys(cfg) if k.startswith(("data.", "tokenizer."))):
+        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
+    check(cfg)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="prepare", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        prepare(cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        log.error(f"error: {err}")
+        sys.exit(2)
+    except hydra.errors.InstantiationException as err:
+        from parallama.cli.train import instantiation_error
+
+        log.error(f"error: {instantiation_error(err)}")
+        sys.exit(2)
+
+
+def main() -> None:
+    try:
+        preflight(sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Cross-key checks of the composed config, run before any data is read or any process is started.
+
+Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
+accepts is in `_RULES`; the model's fields are checked by `LlamaConfig` itself. How the config is composed
+from the command line (and Hydra's own errors worded) is in `compose`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from parallama.errors import ConfigError
+
+
+def check_config(cfg: DictConfig, hardware: bool = True) -> None:
+    """`hardware=False` leaves out what depends on this machine (GPUs, cores): for `--cfg`, which only prints."""
+    _check_values(cfg)  # first: no torch import, so most typos of values answer at once
+    _check_optimizer(cfg)
+    model, data, trainer = cfg.model, cfg.data, cfg.trainer
+    _check_model_shape(model)
+    if data.seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
+        )
+    if hardware:
+        _check_devices(trainer)
+        _check_strategy(cfg)
+        _resolve_global_batch(cfg)
+
+
+class Rule:
+    """What one key accepts: a kind (int, float, bool, str) within [low, high] (`open` makes the bounds
+    exclusive: "low", "high" or "both"), a fixed set of `choices`, and extra allowed values (null, -1, auto)."""
+
+    def __init__(self, kind: type, low=None, high=None, *, open: str = "", allow=(), choices=()):
+        self.kind, self.low, self.high, self.open, self.allow, self.choices = (
+            kind,
+            low,
+            high,
+            open,
+            allow,
+            choices,
+        )
+
+    def valid(self, value) -> bool:
+        if any(value is a or (type(value) is type(a) and value == a) for a in self.allow):
+            return True
+        if isinstance(value, bool) != (self.kind is bool):
+            return False
+        if self.choices:
+            return value in self.choices
+        if not isinstance(value, (int, float) if self.kind is float else self.kind):
+            return False
+        if self.low is not None and (value <= self.low if "low" in self.open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if "high" in self.open else value <= self.high)
+
+    def describe(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(_show(c) for c in self.choices)
+        else:
+            text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
+        if self.low is not None and self.high is not None:
+            text += f" in {'(' if 'low' in self.open else '['}{self.low}, {self.high}{')' if 'high' in self.open else ']'}"
+        elif self.low is not None:
+            text += f" {'>' if 'low' in self.open else '>='} {self.low}"
+        return text + "".join(f" or {_show(a)}" for a in self.allow)
+
+
+_PRECISIONS = (
+    "32-true",
+    "32",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+    "64-true",
+    "transformer-engine",
+)
+_RULES = {  # checked when the key exists (strategy keys only for the strategies that have them)
+    "seed": Rule(int, 0),
+    "global_batch_size": Rule(int, 1, allow=(None,)),
+    "compile": Rule(bool),
+    "activation_checkpointing": Rule(bool),
+    "validate_before_training": Rule(bool),
+    "data.seq_len": Rule(int, 1),
+    "data.batch_size": Rule(int, 1),
+    "data.packing": Rule(bool),
+    "data.document_mask": Rule(bool),
+    "data.val_fraction": Rule(float, 0, 1, open="high"),
+    "data.num_workers": Rule(int, 0),
+    "data.index_log": Rule(str, allow=(None,)),
+    "data.source.max_documents": Rule(int, 1, allow=(None,)),
+    "data.source.corpus": Rule(str, choices=("prose", "code")),
+    "tokenizer.vocab_size": Rule(int, 260),  # 256 bytes + 4 specials
+    "tokenizer.min_frequency": Rule(int, 1),
+    "tokenizer.train_documents": Rule(int, 1, allow=(None,)),
+    "trainer.max_steps": Rule(int, 1, allow=(-1,)),
+    "trainer.max_epochs": Rule(int, 1, allow=(-1, None)),
+    "trainer.num_nodes": Rule(int, 1),
+    "trainer.accumulate_grad_batches": Rule(int, 1),
+    "trainer.gradient_clip_val": Rule(float, 0, allow=(None,)),
+    "trainer.log_every_n_steps": Rule(int, 1),
+    "trainer.val_check_interval": Rule(float, 0, open="low", allow=(None,)),
+    "trainer.limit_val_batches": Rule(float, 0, allow=(None,)),
+    "trainer.limit_train_batches": Rule(float, 0, open="low", allow=(None,)),
+    "trainer.overfit_batches": Rule(float, 0),
+    "trainer.num_sanity_val_steps": Rule(int, -1),
+    "trainer.precision": Rule(str, choices=_PRECISIONS),
+    "trainer.accelerator": Rule(str, choices=("auto", "cpu", "gpu", "cuda")),
+    "trainer.deterministic": Rule(bool, allow=("warn",)),
+    "trainer.fast_dev_run": Rule(int, 0),  # bool or a number of batches
+    "optimizer.lr": Rule(float, 0, 1, open="low"),
+    "optimizer.weight_decay": Rule(float, 0),
+    "optimizer.eps": Rule(float, 0, open="low"),
+    "optimizer.fused": Rule(bool, allow=(None,)),
+    "scheduler.warmup_start_factor": Rule(float, 0, 1),
+    "scheduler.min_lr_ratio": Rule(float, 0, 1),
+    "sample.max_new_tokens": Rule(int, 0),
+    "sample.temperature": Rule(float, 0),
+    "sample.top_k": Rule(int, 1, allow=(None,)),
+    "sample.prompt": Rule(str),
+    "callbacks.last_checkpoint.every_n_train_steps": Rule(int, 1, allow=(None,)),
+    "logger.wandb.mode": Rule(str, choices=("auto", "online", "offline", "disabled")),
+    "strategy.stage": Rule(int, choices=(1, 2, 3)),
+    "strategy.mixed_precision": Rule(str, choices=("bf16", "fp16"), allow=(None,)),
+    "strategy.process_group_backend": Rule(str, choices=("nccl", "gloo"), allow=(None,)),
+    "strategy.offload_optimizer": Rule(bool),
+    "strategy.offload_parameters": Rule(bool),
+    "strategy.reshard_after_forward": Rule(bool),
+    "strategy.cpu_offload": Rule(bool),
+    "strategy.meta_init": Rule(bool),
+    "strategy.find_unused_parameters": Rule(bool),
+    "strategy.gradient_as_bucket_view": Rule(bool),
+    "strategy.static_graph": Rule(bool),
+    "strategy.bucket_cap_mb": Rule(float, 0, open="low"),
+}
+
+
+def _check_values(cfg: DictConfig) -> None:
+    for key, rule in _RULES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        value = node[leaf]
+        if key == "trainer.fast_dev_run" and isinstance(value, bool):
+            continue
+        if not rule.valid(value):
+            raise ConfigError(f"{key}={_show(value)} is not valid; use {rule.describe()}")
+    interval = cfg.trainer.get("val_check_interval")
+    if isinstance(interval, float) and cfg.trainer.get("check_val_every_n_epoch") is None:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} is a fraction of an epoch, which needs "
+            "trainer.check_val_every_n_epoch=1 (or give a number of batches, e.g. 100)"
+        )
+
+
+def _show(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _check_model_shape(model: DictConfig) -> None:
+    from parallama.models.llama.config import LlamaConfig
+
+    fields = OmegaConf.to_container(model, resolve=True)
+    if fields.get("vocab_size") is None:
+        fields["vocab_size"] = 1  # filled in from the tokenizer later
+    try:
+        LlamaConfig(**fields)
+    except TypeError as err:  # an unknown field
+        raise ConfigError(f"model: {err}; valid fields are LlamaConfig's (Hugging Face names)") from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_optimizer(cfg: DictConfig) -> None:
+    betas = cfg.optimizer.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(
+            f"optimizer.betas={list(betas)} is not valid; use two numbers in [0, 1), e.g. [0.9, 0.95]"
+        )
+    sched = cfg.scheduler
+    warmup = sched.warmup_steps
+    if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(f"scheduler.warmup_steps={warmup!r} must be an integer >= 0 or auto")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
+            "lower it, use scheduler.warmup_steps=auto, or train longer"
+        )
+
+
+def _check_devices(trainer: DictConfig) -> None:
+    import torch
+
+    accelerator, devices = trainer.accelerator, trainer.devices
+    gpus = torch.cuda.device_count()
+    if accelerator in ("gpu", "cuda") and gpus == 0:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but no GPU is visible; use trainer.accelerator=cpu or auto"
+        )
+    if isinstance(devices, int) and devices < 1:
+        raise ConfigError(f"trainer.devices={devices} must be >= 1 (or auto)")
+    uses_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
+    if uses_gpu and isinstance(devices, int) and devices > gpus:
+        raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
+    if trainer.num_nodes > 1:
+        from parallama.runtime.faults import check_multi_node
+
+        check_multi_node(trainer.num_nodes)
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    import torch
+
+    uses_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (
+        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+    )
+    backend = cfg.strategy.get("process_group_backend")
+    if backend == "nccl" and not uses_gpu:
+        raise ConfigError(
+            "strategy.process_group_backend=nccl needs GPUs; on CPU use gloo (or null to choose)"
+        )
+    if cfg.strategy.get("mixed_precision") == "fp16" and not uses_gpu:
+        raise ConfigError("strategy.mixed_precision=fp16 needs GPUs; on CPU use bf16 or null")
+    if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > (os.cpu_count() or 1):
+        raise ConfigError(
+            f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores"
+        )
+
+
+def _resolve_global_batch(cfg: DictConfig) -> None:
+    """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the given world size."""
+    import torch
+
+    global_batch = cfg.get("global_batch_size")
+    if global_batch is None:
+        return
+    devices = (
+        cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else max(1, torch.cuda.device_count())
+    )
+    per_step = cfg.data.batch_size * devices * cfg.trainer.num_nodes
+    if global_batch % per_step:
+        raise ConfigError(
+            f"global_batch_size={global_batch} is not a multiple of data.batch_size * devices * nodes "
+            f"= {cfg.data.batch_size} * {devices} * {cfg.trainer.num_nodes} = {per_step}"
+        )
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if accumulate not in (1, global_batch // per_step):
+        raise ConfigError(
+            f"global_batch_size={global_batch} derives trainer.accumulate_grad_batches, which is also set "
+            f"(={accumulate}); set only one of them"
+        )
+    with open_dict(cfg):
+        cfg.trainer.accumulate_grad_batches = global_batch // per_step

@@ -1,0 +1,160 @@
+"""From a command line to a composed config, outside `@hydra.main`: parallama-train's preflight (the overrides
+composed as Hydra will, a sweep job by job, each then checked by `checks.check_config`), `compose_job` for
+parallama-prepare and parallama-eval, Hydra's errors in one line with a "did you mean", and the
+`${auto_precision:}` resolver that the configs use.
+
+Separate from `checks`: this is how a config is obtained and Hydra's complaints about it worded; `checks` is
+what a composed config must satisfy.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from parallama.config.checks import check_config
+from parallama.errors import ConfigError
+
+# Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only
+# change what is done with the config (-m, --cfg job) are set aside and the overrides checked as usual.
+_HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-i", "--info"}
+_UNCHECKED = {"-cp", "--config-path", "-cd", "--config-dir", "--experimental-rerun"}  # another config tree
+_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name"}
+_NO_VALUE = {"-m", "--multirun", "-r", "--run", "--resolve"}
+
+
+def auto_precision() -> str:
+    """`trainer.precision: ${auto_precision:}`: bf16 mixed precision where the GPU supports it, else fp32."""
+    import torch  # here, not at the top: --help and typos answer before torch is loaded
+
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return "bf16-mixed" if cuda_bf16 else "32-true"
+
+
+OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
+
+
+def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
+    """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
+
+    A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
+    their first value. `--cfg` only prints: the config may still lack required values or name GPUs that this
+    machine does not have.
+    """
+    overrides, printing = [], False
+    args = iter(argv)
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _HYDRA_ANSWERS or flag in _UNCHECKED:
+            return
+        if flag in _WITH_VALUE:
+            value = arg.split("=", 1)[1] if "=" in arg else next(args, "")
+            printing |= flag in ("-c", "--cfg")
+            config_name = value if flag in ("-cn", "--config-name") else config_name
+        elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+            overrides.append(arg)
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        for job, label in _sweep_jobs(overrides):
+            try:
+                _check_job(config_name, job, printing)
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the sweep job with {label})" if label else str(err)) from None
+
+
+def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
+    """The jobs to check: the overrides themselves, or for a sweep one job per swept value (label: that value).
+    Values a sweeper draws at run time (Optuna's interval(...)) are checked when their job starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    base, swept = [], []
+    for override in parsed:
+        if not override.is_sweep_override():
+            base.append(override.input_line)
+            continue
+        key = override.get_key_element()
+        try:
+            values = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        except Exception:  # not enumerable here
+            continue
+        swept.append((len(base), values))
+        base.append(values[0])
+    if not swept:
+        return [(base, "")]
+    return [
+        ([*base[:position], value, *base[position + 1 :]], value)
+        for position, values in swept
+        for value in values
+    ]
+
+
+def compose_job(config_name: str, overrides: list[str], valid_keys: str | None = None) -> DictConfig:
+    """The job config Hydra composes for `overrides` (inside `initialize_config_dir`), its `hydra` node set aside
+    once ${hydra:...} can resolve; Hydra's error in one line otherwise. `valid_keys`: list them for an unknown
+    key (tools with a few top-level keys) instead of suggesting `+key=`."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        message = f"{err}\n{err.__cause__ or ''}"
+        raise ConfigError(_one_line(message, lambda: compose(config_name), valid_keys)) from None
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
+    cfg = compose_job(config_name, overrides)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing and not printing:
+        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
+    if not missing:
+        check_config(cfg, hardware=not printing)
+
+
+def _one_line(message: str, compose_defaults: Callable[[], DictConfig], valid_keys: str | None = None) -> str:
+    """Hydra's error in one line. `compose_defaults` gives the config without overrides, for "did you mean";
+    it is called only for an unknown key, an override error, so the config files themselves compose."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if (match := re.match(r"Could not override '([^']+)'", lines[0])) and "not in struct" in message:
+        key = match.group(1)
+        suggestion = _did_you_mean(key, compose_defaults())
+        if valid_keys:
+            return f"unknown or invalid key '{key}'{suggestion}; valid keys: {valid_keys}"
+        return f"unknown config key '{key}'{suggestion}; to add a new key write +{key}=..."
+    if match := re.search(r"Could not find '([^']+)'", lines[0]):
+        group, _, option = match.group(1).rpartition("/")
+        start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+        options = []
+        if start is not None:
+            options = [
+                line
+                for line in lines[start + 1 :]
+                if not line.startswith(("Config search path", "provider="))
+            ]
+        return f"{group}={option} is not an option of config group '{group}'; valid: {', '.join(options)}"
+    return " ".join(lines[:3])
+
+
+def _did_you_mean(key: str, defaults: DictConfig) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(defaults, parent) if parent else defaults
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys() if k != leaf], n=1)
+    return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""

@@ -1,0 +1,287 @@
+"""A Llama-style decoder, read top to bottom: rope, attention, MLP, blocks, the model, KV cache and sampling.
+Its hyperparameters are `model_config.LlamaConfig`; the attention masks it takes are built in `masks`.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that checkpoints map 1:1 (HF keys
+are ours with a ``model.`` prefix, except ``lm_head``). Parallelism (FSDP, compile, activation
+checkpointing) is applied from outside, per ``DecoderLayer``; nothing here knows about it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from parallama.models.llama import masks
+from parallama.models.llama.config import LlamaConfig
+
+
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
+    """Rotary inverse frequencies (float32, CPU), bit-identical to HF's default and llama3 rope."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    # HF's _compute_llama3_parameters: keep high frequencies, divide low ones by `factor`,
+    # interpolate smoothly in between.
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, shared by all layers. Non-persistent buffers: they
+    derive from the config, so checkpoints stay HF-compatible and meta-device init works."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        shape = (config.max_position_embeddings, config.head_dim)
+        self.register_buffer("cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Computed on CPU in float32 (as HF does), then copied to wherever the buffers live."""
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(self.config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half convention, so HF checkpoints load without permuting q/k weights."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Keys/values of one layer, (B, n_kv_heads, max_len, head_dim), indexed by absolute position so
+    that prefill and single-token decode are the same code path.
+
+    Without a dtype the buffers are allocated at the first update in the dtype the layer computes in,
+    which differs from the weights' under autocast or FSDP mixed precision (fp32 shards, bf16 compute)."""
+
+    def __init__(self, shape: tuple[int, int, int, int], device=None, dtype=None):
+        self.shape, self.max_len = shape, shape[2]
+        self.k = self.v = None
+        if dtype is not None:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)
+        self.k[:, :, input_pos] = k.to(self.k.dtype)
+        self.v[:, :, input_pos] = v.to(self.v.dtype)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
+        """``attn_mask=None`` means plain causal attention (SDPA's fast path); a ``BlockMask`` runs FlexAttention."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(input_pos, k, v)
+        # enable_gqa: each K/V head serves its group of query heads without materialized copies.
+        if isinstance(attn_mask, BlockMask):
+            y = masks.compiled_flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. Tensors (or None) in, tensor out, so that FSDP, torch.compile and
+    activation checkpointing can each wrap one layer."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if not self.embed_tokens.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize all weights and the rope buffers: FSDP2 builds the model on the meta
+        device, then calls ``to_empty()`` and this. Weights are N(0, initializer_range), but the
+        projections into the residual stream (o_proj, down_proj) divide the std by
+        sqrt(2 * num_hidden_layers), as GPT-2 does, so residual variance does not grow with depth."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # to_empty() unties plain tensors
+        self.rotary_emb.init_buffers()
+        std = self.config.initializer_range
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> list[KVCache]:
+        """One empty cache per layer, on the model's device; by default in the dtype attention computes in."""
+        c = self.config
+        shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
+        return [KVCache(shape, device or self.embed_tokens.weight.device, dtype) for _ in self.layers]
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        *,
+        position_ids=None,
+        document_ids=None,
+        input_pos=None,
+        kv_cache=None,
+    ) -> Tensor:
+        """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T).
+
+        - No mask: causal attention over the whole row (packed batches, fastest path).
+        - ``attention_mask`` (B, T), 1 = token, 0 = padding: positions are still 0..T-1, so
+          padding is assumed to be on the right (the usual training layout).
+        - ``document_ids`` (B, T), the document each token belongs to (packed batches): a token attends
+          to earlier tokens of its own document only, through compiled FlexAttention on the devices in
+          ``masks.FLEX_ATTENTION_DEVICES`` (CUDA), SDPA with a block-diagonal mask elsewhere. Pass the
+          ``position_ids`` (B, T) that restart at 0 with every document too, and each document's logits are
+          those of the document alone (the data module's ``document_mask=true`` gives both).
+        - ``kv_cache`` (from ``new_kv_cache``) needs ``input_pos``, the 1D positions of the given
+          tokens: their keys/values go to those cache slots and a query at position p attends to
+          slots <= p. This serves a multi-token prefill as well as single-token decode steps.
+        """
+        T, device = input_ids.shape[1], input_ids.device
+        if kv_cache is not None:
+            if input_pos is None or any(x is not None for x in (attention_mask, position_ids, document_ids)):
+                raise ValueError(
+                    "kv_cache needs input_pos and takes no attention_mask, position_ids or document_ids"
+                )
+            slots = torch.arange(kv_cache[0].max_len, device=device)
+            mask = slots <= input_pos[:, None]  # (T, max_len), broadcast over batch and heads
+        elif T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} > model.max_position_embeddings")
+        elif document_ids is not None:
+            if attention_mask is not None:
+                raise ValueError(
+                    "document_ids and attention_mask exclude each other (packed vs padded samples)"
+                )
+            mask = masks.document_mask(document_ids, flex=device.type in masks.FLEX_ATTENTION_DEVICES)
+        else:
+            mask = None if attention_mask is None else masks.padding_mask(attention_mask)
+        rope = self.rotary_emb
+        h = self.embed_tokens(input_ids)
+        # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.
+        if position_ids is not None:  # (B, T) -> (B, 1, T, head_dim), broadcast over heads
+            cos, sin = (table[position_ids].unsqueeze(1).to(h.dtype) for table in (rope.cos, rope.sin))
+        else:
+            rows = slice(0, T) if input_pos is None else input_pos
+            cos, sin = rope.cos[rows].to(h.dtype), rope.sin[rows].to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
+        return self.lm_head(self.norm(h))
+
+
+def sample(logits: Tensor, temperature=1.0, top_k=None, top_p=None, generator=None) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the mass before it reaches top_p; the top token always stays.
+        sorted_logits = sorted_logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model, input_ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_id=None, generator=None
+) -> Tensor:
+    """Prompt + continuation, a LongTensor (B, T + n), n <= max_new_tokens. Prompts must have equal
+    length (no padding). A row that emitted ``eos_id`` repeats it; all rows done -> stop early."""
+    B, T = input_ids.shape
+    limit = model.config.max_position_embeddings
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not 0 <= max_new_tokens <= limit - T:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be in [0, {limit} - prompt length {T}]")
+    device = input_ids.device
+    cache = model.new_kv_cache(B, T + max_new_tokens, device=device)
+    logits = model(input_ids, input_pos=torch.arange(T, device=device), kv_cache=cache)[:, -1]
+    out, done = [input_ids], torch.zeros(B, dtype=torch.bool, device=device)
+    for i in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, top_p, generator)
+        if eos_id is not None:
+            token = token.masked_fill(done, eos_id)
+            done |= token == eos_id
+        out.append(token[:, None])
+        if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+            break
+        logits = model(token[:, None], input_pos=torch.tensor([T + i], device=device), kv_cache=cache)[:, -1]
+    return torch.cat(out, dim=1)

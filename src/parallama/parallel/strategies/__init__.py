@@ -1,0 +1,1 @@
+"""One module per strategy family of the Hydra `strategy` group."""

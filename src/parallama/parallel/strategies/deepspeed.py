@@ -1,0 +1,136 @@
+"""DeepSpeed ZeRO (`strategy=deepspeed`, stage 1/2/3, optional CPU offload), runnable on CPU too.
+
+Lightning refuses DeepSpeed on anything but CUDA; DeepSpeed itself has a CPU accelerator. On CPU the root
+device is `cpu:<local_rank>` (tensors on it are plain CPU tensors: Lightning hands DeepSpeed the device's
+index as the rank's) and communication goes over gloo. GPU runs take Lightning's path unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+from parallama.parallel.base import AtomicFolderCheckpoints, MemoryProfile, Parallelism
+from parallama.runtime import compat
+
+log = logging.getLogger("parallama")
+_DS = "strategy=deepspeed strategy.stage="
+_OFFLOAD = " strategy.offload_optimizer=true"
+
+
+class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy. ZeRO-1 shards the optimizer state, 2 also gradients, 3 also parameters
+    (the model is then built inside `deepspeed.zero.Init`, partitioned as each module is created)."""
+
+    name = "deepspeed"
+    checkpoint_format = "deepspeed"
+    memory_profiles = (
+        MemoryProfile("deepspeed_1", _DS + "1", "deepspeed", "o", guide="sharded", order=1),
+        MemoryProfile("deepspeed_2", _DS + "2", "deepspeed", "go", guide="sharded", order=2),
+        MemoryProfile(
+            "deepspeed_3", _DS + "3", "deepspeed", "pgo", gathered="working", guide="fully sharded", order=1
+        ),
+        MemoryProfile("deepspeed_2_offload", _DS + "2" + _OFFLOAD, "deepspeed", "go", "go", guide="offload"),
+        MemoryProfile(
+            "deepspeed_3_offload",
+            _DS + "3" + _OFFLOAD + " strategy.offload_parameters=true",
+            "deepspeed",
+            "pgo",
+            "pgo",
+            "working",
+            guide="offload",
+            order=2,
+        ),
+    )
+
+    def mesh_shape(self) -> dict[str, int]:
+        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cpu":
+            _say_if_ops_will_build(self.local_rank)
+            self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+            super(DeepSpeedStrategy, self).setup_environment()  # skip only DeepSpeedStrategy's CUDA check
+        else:
+            super().setup_environment()
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return "offload_optimizer" in compat.deepspeed_config(self).get("zero_optimization", {})
+
+    # --- the model --------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _gathered(self, model):
+        """ZeRO-3 partitions each parameter as soon as its module exists: gather them so that rank 0's writes
+        (initialization, pretrained weights) are scattered to every rank. Other stages: nothing to do."""
+        params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+        if not params:
+            yield False
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            yield True
+
+    def init_weights(self, model) -> None:
+        with self._gathered(model) as zero3:
+            if zero3:
+                model.init_weights()  # the constructor's init wrote into empty shards: redo it, gathered
+
+    def load_pretrained(self, model, init_from: str) -> None:
+        with self._gathered(model):
+            super().load_pretrained(model, init_from)
+
+    @staticmethod
+    def param_shape(param: torch.nn.Parameter) -> torch.Size:
+        return getattr(param, "ds_shape", param.shape)  # ZeRO-3 keeps a partitioned tensor's real shape here
+
+    def make_optimizer(self, groups: list[dict], *, fused: bool | None, **kwargs) -> torch.optim.Optimizer:
+        if self.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return super().make_optimizer(groups, fused=fused, **kwargs)
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+
+    def checkpoint_info(self, module) -> dict:
+        zero = compat.deepspeed_config(self).get("zero_optimization", {})
+        return {
+            **super().checkpoint_info(module),
+            "stage": zero.get("stage"),
+            "offload": self.offload_optimizer,
+            "precision": module.trainer.precision,  # bf16: its model file holds bf16 weights
+        }
+
+    def loads_natively(self, info: dict) -> bool:
+        """DeepSpeed reads its ZeRO partitions back only as they were written: same world size, stage, offload
+        and precision (checkpoints that predate the precision record are taken as written in this one)."""
+        zero = compat.deepspeed_config(self).get("zero_optimization", {})
+        same = info.get("world_size") == self.world_size and info.get("stage") == zero.get("stage")
+        same = same and info.get("offload") == self.offload_optimizer
+        precision = self.lightning_module.trainer.precision
+        return super().loads_natively(info) and same and info.get("precision", precision) == precision
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        compat.keep_configured_gradient_clipping(self.deepspeed_engine)
+        return checkpoint
+
+    def load_universal(self, state) -> None:
+        from parallama.checkpoint.zero import load_into_deepspeed
+
+        load_into_deepspeed(self, self.lightning_module, state.model, state.optimizer)
+
+
+def _say_if_ops_will_build(local_rank: int) -> None:
+    """On CPU DeepSpeed compiles its shared-memory communication op at the first run: minutes of silence."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    if local_rank == 0 and not any(root.glob("deepspeed_shm_comm/*.so")):
+        log.info(f"building DeepSpeed's C++ ops (once per environment, ~1 min) in {root}")

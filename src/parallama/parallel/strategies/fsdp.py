@@ -1,0 +1,133 @@
+"""FSDP2 (`strategy=fsdp`): `fully_shard` per decoder block, then the root, over all ranks.
+
+Runs through Lightning's ModelParallelStrategy, which works on CPU (gloo) and GPU (NCCL); the sharding itself
+is `apply_fsdp` (parallel/apply.py) over the mesh's `dp_shard` dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from parallama.errors import ConfigError
+from parallama.parallel.base import AtomicFolderCheckpoints, MemoryProfile, Parallelism
+from parallama.runtime import compat
+
+FSDP = "strategy=fsdp"
+
+
+class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
+    """Parameters, gradients and optimizer state all sharded; each block gathered only while it computes.
+
+    reshard_after_forward: True frees gathered parameters after each block's forward (ZeRO-3),
+        False keeps them until backward (ZeRO-2: more memory, less communication).
+    mixed_precision: None (parameters compute in their own dtype), "bf16" or "fp16": compute in that
+        dtype, reduce gradients in fp32, keep fp32 master weights.
+    cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+    meta_init: build the model on the meta device and initialize only each rank's shard (needed when a
+        full fp32 copy does not fit in host memory). False draws the full model on every rank first, so
+        the initial weights equal those of every other strategy for the same seed.
+    save_distributed_checkpoint: a DCP folder of shards (true) or one full file written by rank 0.
+    """
+
+    name = "fsdp"
+    memory_profiles = (
+        MemoryProfile(
+            "fsdp_zero2",
+            FSDP + " strategy.reshard_after_forward=false",
+            "fsdp",
+            "pgo",
+            gathered="all",
+            guide="sharded",
+            order=3,
+        ),
+        MemoryProfile("fsdp", FSDP, "fsdp", "pgo", gathered="working", guide="fully sharded"),
+        MemoryProfile(
+            "fsdp_offload",
+            FSDP + " strategy.cpu_offload=true",
+            "fsdp",
+            "pgo",
+            "pgo",
+            "working",
+            guide="offload",
+            order=1,
+        ),
+    )
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        mixed_precision: Literal["bf16", "fp16"] | None = None,
+        cpu_offload: bool = False,
+        meta_init: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        if mixed_precision not in (None, "bf16", "fp16"):
+            raise ConfigError(f"strategy.mixed_precision={mixed_precision!r} is not one of null, bf16, fp16")
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload
+        self.meta_init = meta_init
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "dcp" if self._save_distributed_checkpoint else "file"
+
+    def mesh_shape(self) -> dict[str, int]:
+        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+
+    def setup_environment(self) -> None:
+        compat.use_all_ranks_for_data_parallel(self)
+        super().setup_environment()
+
+    # --- the model --------------------------------------------------------------------------------------
+
+    def model_init_context(self):
+        return torch.device("meta") if self.meta_init else super().model_init_context()
+
+    def load_pretrained(self, model, init_from: str) -> None:
+        if self.meta_init:
+            raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
+        super().load_pretrained(model, init_from)
+
+    def parallelize(self, model, *, compile: bool, activation_checkpointing: bool):
+        from parallama.models.llama.parallelize import apply_fsdp
+
+        super().parallelize(model, compile=compile, activation_checkpointing=activation_checkpointing)
+        apply_fsdp(
+            model,
+            self.device_mesh_named["dp_shard"],
+            reshard_after_forward=self.reshard_after_forward,
+            mixed_precision=self.mixed_precision,
+            cpu_offload=self.cpu_offload,
+        )
+        if self.meta_init:
+            model.to_empty(device=self.root_device)
+            model.init_weights()
+        return model
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+
+    def checkpoint_info(self, module) -> dict:
+        info = super().checkpoint_info(module)
+        if (
+            self.checkpoint_format == "file"
+        ):  # Lightning numbers FSDP's full optimizer state by parameter order
+            info["optimizer_keys"] = [n for n, _ in module.named_parameters()]
+        return info
+
+    def load_universal(self, state) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module, full = self.lightning_module, StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(module, state.model, options=full)
+        if state.optimizer is not None:
+            for optimizer in self.optimizers:
+                set_optimizer_state_dict(module, optimizer, state.optimizer, options=full)

@@ -1,0 +1,166 @@
+"""What a run does when a rank dies or the launch cannot work; see docs/strategies.md, "Signals and failures".
+
+- `check_multi_node`: `trainer.num_nodes>1` with no multi-node launcher around would wait for peers forever.
+- `check_fresh_run`: a run resumes only when asked (`ckpt_path`, or a SLURM requeue), never by landing in an
+  old run directory.
+- `watch_ranks` / `lost_rank`: a rank killed mid-run ends the others with one line naming it and exit status
+  `EXIT_RANK_DIED`, instead of a gloo traceback (or, on NCCL, a hang).
+
+Stopping on SIGTERM/SIGUSR1/SIGINT is `parallama.training.callbacks.PreemptionCheckpoint`; it raises `Preempted`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from parallama.errors import ConfigError
+from parallama.runtime import compat
+
+log = logging.getLogger("parallama")
+
+EXIT_RANK_DIED = 4
+# How gloo (and the TCP store) report a peer whose process is gone.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+class Preempted(Exception):
+    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0."""
+
+
+def last_checkpoint_note(output_dir: str) -> str:
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+
+
+def check_multi_node(num_nodes: int) -> None:
+    """Without a launcher that starts the other nodes, Lightning would wait for their ranks forever."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    env = os.environ
+    manual = "MASTER_ADDR" in env and ("NODE_RANK" in env or "GROUP_RANK" in env)
+    detected = any(e.detect() for e in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment))
+    if num_nodes > 1 and not (manual or detected):
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} needs a multi-node launch (torchrun --nnodes, SLURM srun, or "
+            "MASTER_ADDR/NODE_RANK set on each node); see docs/strategies.md"
+        )
+
+
+def check_fresh_run(cfg) -> None:
+    """A run resumes only when asked: without `ckpt_path`, refuse a run directory that holds last.ckpt.
+
+    Except a requeued SLURM job (SLURM_RESTART_COUNT > 0), which reruns the same command in the same directory
+    and so resumes its last.ckpt (`ckpt_path` becomes `last`).
+    """
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    if cfg.ckpt_path is not None or not last.exists():
+        return
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        cfg.ckpt_path = "last"
+        return
+    raise ConfigError(f"{last} exists: resume it with ckpt_path=last, or pick a new hydra.run.dir")
+
+
+class _RankWatch(threading.Thread):
+    """Notices a dead rank while the trainer runs, and ends this process if its main thread does not.
+
+    The local rank 0 polls the ranks Lightning started (`launcher.procs`, Popen objects); a rank Lightning
+    started knows its parent is the node's local rank 0. Normally the main thread ends first, on the peer-loss
+    error of its next collective (`lost_rank`); a collective that never fails (NCCL) is ended after `grace`.
+    """
+
+    def __init__(self, trainer, output_dir: str, period: float = 1.0, grace: float = 20.0) -> None:
+        from lightning.fabric.plugins.environments import LightningEnvironment
+
+        super().__init__(daemon=True, name="parallama-rank-watch")
+        self.trainer, self.output_dir, self.period, self.grace = trainer, output_dir, period, grace
+        launched = isinstance(getattr(trainer.strategy, "cluster_environment", None), LightningEnvironment)
+        self.parent = os.getppid() if launched and trainer.local_rank > 0 else None
+        self.stopped = threading.Event()
+        self.reported = threading.Lock()  # whoever takes it prints the one line
+
+    def dead_rank(self) -> str | None:
+        trainer = self.trainer
+        for i, proc in enumerate(compat.launched_processes(trainer.strategy)):
+            how = _exit_of(proc.pid)
+            if how is not None:
+                return f"rank {trainer.global_rank + i + 1} died ({how})"
+        if self.parent is not None and os.getppid() != self.parent:
+            return f"rank {trainer.global_rank - trainer.local_rank} died"
+        return None
+
+    def line(self, who: str) -> str:
+        return (
+            f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}; "
+            "resume with ckpt_path=last"
+        )
+
+    def run(self) -> None:
+        from lightning.pytorch.trainer.states import TrainerStatus
+
+        while not self.stopped.wait(self.period):
+            who = self.dead_rank() if self.trainer.state.status == TrainerStatus.RUNNING else None
+            if who is not None:
+                time.sleep(self.grace)
+                if self.reported.acquire(blocking=False):
+                    log.error(self.line(who))
+                for proc in compat.launched_processes(self.trainer.strategy):
+                    proc.kill()
+                os._exit(EXIT_RANK_DIED)
+
+
+def _exit_of(pid: int) -> str | None:
+    """How a child that failed ended; peeks without reaping, so its exit status stays for whoever waits."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped
+        return None
+    if info is None or (info.si_code == os.CLD_EXITED and info.si_status == 0):
+        return None
+    return (
+        f"exit status {info.si_status}"
+        if info.si_code == os.CLD_EXITED
+        else f"killed by signal {info.si_status}"
+    )
+
+
+_watch: _RankWatch | None = None
+
+
+def watch_ranks(trainer, output_dir: str) -> None:
+    """Watch this run's ranks, in place of Lightning's observer (which SIGKILLs rank 0 without a word)."""
+    global _watch
+    compat.disable_process_observer()
+    stop_watching()
+    _watch = _RankWatch(trainer, output_dir)
+    _watch.start()
+
+
+def stop_watching() -> None:
+    """The job is over (a sweep's next job has its own watch); a watch that saw a death keeps its deadline.
+    The watch is let go, and with it the finished Trainer (and its process group's store)."""
+    global _watch
+    if _watch is not None:
+        _watch.stopped.set()
+        _watch = None
+
+
+def lost_rank(err: BaseException) -> str | None:
+    """The one error line if `err` says a peer rank is gone (naming it when this process can), else None."""
+    if not isinstance(err, RuntimeError) or not any(s in str(err) for s in _PEER_LOST) or _watch is None:
+        return None
+    who = None
+    for _ in range(50):  # the dead process may need a moment to become a reapable zombie / orphan this one
+        if (who := _watch.dead_rank()) is not None:
+            break
+        time.sleep(0.1)
+    _watch.reported.acquire(blocking=False)
+    return _watch.line(who or "another rank's connection closed (it died or was killed)")

@@ -1,0 +1,1 @@
+"""The training run: the LightningModule, its callbacks, loggers and progress display."""

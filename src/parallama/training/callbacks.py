@@ -1,0 +1,154 @@
+"""Callbacks that need to know parallama's batch layout. Everything else in conf/callbacks is Lightning's own."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+
+from parallama.runtime import compat
+from parallama.runtime.faults import Preempted
+from parallama.training.module import ends_the_run
+
+
+def _samples(batch: dict) -> int:
+    return batch["input_ids"].size(0)
+
+
+def _tokens(batch: dict) -> int:
+    return batch["input_ids"].numel()
+
+
+class TokenThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor for token batches: logs tokens/s, and FLOP/s + MFU on known GPUs.
+
+    FLOPs per batch come from the model config (6N + attention, see `LlamaConfig.flops_per_token`).
+    """
+
+    def __init__(self, window_size: int = 50, **kwargs) -> None:
+        super().__init__(batch_size_fn=_samples, length_fn=_tokens, window_size=window_size, **kwargs)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        data = trainer.datamodule
+        pl_module.flops_per_batch = (
+            pl_module.config.flops_per_token(data.seq_len) * data.seq_len * data.batch_size
+        )
+
+
+class PreemptionCheckpoint(Callback):
+    """SIGTERM (a scheduler), SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C): finish the
+    optimizer step, save `last.ckpt` on every rank and stop with status 0; `ckpt_path=last` resumes there.
+
+    The handler only records the signal. At each optimizer-step boundary the ranks agree on it with one
+    all_reduce (MAX), so a signal to any one rank stops all of them at the same step, and every rank takes
+    part in saving (DeepSpeed and FSDP checkpoints are collective). Then every rank raises `Preempted`: no
+    validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
+    handler is replaced: it broadcasts from inside the handler, which deadlocks ranks that are in another
+    collective. A SLURM requeue signal (`SLURMEnvironment(auto_requeue=True)`) stays Lightning's. Failures
+    (a NaN loss, a crash) do not save: they must not overwrite good weights.
+    """
+
+    def __init__(self, dirpath: str, filename: str = "last") -> None:
+        self.path = str(Path(dirpath) / f"{filename}.ckpt")
+        self.received = 0  # the signal number, once one came
+        self._previous: dict[int, object] = {}
+        self._checked_step: int | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """SIGTERM: Lightning registers (and later restores) its notifier; make ours the one it registers."""
+        compat.set_sigterm_notifier(trainer, self._record)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._install(trainer)
+
+    def _install(self, trainer) -> None:
+        """SIGUSR1 and SIGINT, after Lightning's registration (its teardown would otherwise restore ours)."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        env = getattr(trainer.strategy, "cluster_environment", None)  # none for a single device
+        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
+        for signum in (signal.SIGUSR1, signal.SIGINT):
+            if signum != requeue:
+                self._previous[signum] = signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._checked_step:  # accumulating: no optimizer step since the last check
+            return
+        self._checked_step = trainer.global_step
+        signum = self.received
+        if trainer.world_size > 1:  # one process needs no agreement (and no wait for the GPU)
+            flag = torch.tensor([signum], device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+        if signum:
+            trainer.save_checkpoint(self.path)
+            name = signal.Signals(signum).name
+            raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` every N optimizer steps and/or every T, and always after the run's last step.
+
+    The last step is saved from the step itself, like the periodic saves, and not after the loop ends: by then
+    Lightning has counted the epoch as finished, so extending the run (a higher max_steps) would skip the rest
+    of the epoch. Lightning's ModelCheckpoint takes N or T, not both: T is kept here.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+    ):
+        super().__init__(
+            dirpath=dirpath,
+            monitor=None,
+            save_top_k=0,
+            save_last=True,
+            enable_version_counter=False,  # always last.ckpt, even if the interval changed since the last run
+            every_n_train_steps=every_n_train_steps,
+        )
+        self.time_interval = train_time_interval
+        self._last_saved_at = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._should_skip_saving_checkpoint(trainer):  # fast_dev_run, or this step is saved already
+            return
+        due = False
+        if self.time_interval is not None:  # rank 0's clock decides, so that every rank saves
+            due = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
+            due = trainer.strategy.broadcast(due)
+        if due or ends_the_run(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_saved_at = time.monotonic()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # e.g. stopped early by a callback
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import train
 
+from parallama.checkpoint.resume import resolve_ckpt_path
 from parallama.data.position import saved_position
 from parallama.errors import ConfigError
-from parallama.runtime.launch import resolve_ckpt_path
 
 # A constant LR, so that a run's schedule does not depend on its length: extending a run is then comparable
 # with a run that was that long from the start (with the default cosine the longer run's schedule differs).

@@ -12,7 +12,7 @@ from conftest import TINY, run_cli, train
 from hydra import compose, initialize_config_dir
 from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixture applies here too)
 
-from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.formats import client_state
 from parallama.cli.train import CONF_DIR
 
 
@@ -61,7 +61,7 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strateg
         assert peak_logged_lr(job) == pytest.approx(lr)
         run = wandb_run(job)  # exactly one offline run: rank 0's
         assert run["config"]["config"]["optimizer"]["lr"] == lr
-        assert read_client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
+        assert client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
         if strategy != "ddp_spawn":  # re-launched ranks log into the job's directory
             assert rank_lrs(job) == {0: lr, 1: lr}
 

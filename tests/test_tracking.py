@@ -11,7 +11,7 @@ import torch
 from conftest import train
 from wandb.proto import wandb_internal_pb2
 
-from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.formats import client_state
 from parallama.training.loggers import wandb_logger
 
 
@@ -80,7 +80,7 @@ def test_wandb_offline_logs_config_metrics_and_run_id(logged_run):
     assert run["config"]["model/params"] > 0 and run["config"]["model/flops_per_token"] > 0
     logged = {key for row in run["history"] for key in row}
     assert {"train/loss", "val/loss", "lr-AdamW/pg1"} <= logged
-    assert read_client_state(run_dir / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
+    assert client_state(run_dir / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
     assert (run_dir / "csv" / "metrics.csv").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -97,7 +97,7 @@ def test_resume_continues_the_wandb_run(logged_run, tmp_path, data_cache):
     )
     run_id = wandb_run(first)["id"]
     assert wandb_run(second)["id"] == run_id
-    assert read_client_state(second / "checkpoints" / "last.ckpt").get("wandb_run_id") == run_id
+    assert client_state(second / "checkpoints" / "last.ckpt").get("wandb_run_id") == run_id
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
 
 
@@ -106,15 +106,16 @@ def test_run_id_is_read_from_files_and_sharded_folders(tmp_path):
     (deepspeed / "checkpoint").mkdir(parents=True)
     (deepspeed / "latest").write_text("checkpoint")  # DeepSpeed's pointer to the current tag
     dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")  # what makes a folder a DCP checkpoint
     torch.save({"wandb_run_id": "a", "state_dict": {}}, tmp_path / "file.ckpt")
     torch.save({"wandb_run_id": "b"}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
     torch.save({"wandb_run_id": "c"}, dcp / "meta.pt")
-    assert [read_client_state(p).get("wandb_run_id") for p in (tmp_path / "file.ckpt", deepspeed, dcp)] == [
+    assert [client_state(p).get("wandb_run_id") for p in (tmp_path / "file.ckpt", deepspeed, dcp)] == [
         "a",
         "b",
         "c",
     ]
-    assert read_client_state(tmp_path / "file.ckpt").get("missing") is None
+    assert client_state(tmp_path / "file.ckpt").get("missing") is None
 
 
 def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ import torch
 from conftest import run_cli, train
 
 from parallama.checkpoint import universal
+from parallama.checkpoint.formats import INFO_KEY
 
 CONSTANT_LR = ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=1", "optimizer.lr=3e-4"]
 QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
@@ -109,8 +110,8 @@ def _assert_same_state(after, before) -> None:
         assert all(
             torch.equal(after.optimizer["state"][name][k], moments[k]) for k in ("exp_avg", "exp_avg_sq")
         )
-    assert {k: v for k, v in after.client.items() if k != universal.INFO_KEY} == {
-        k: v for k, v in before.client.items() if k != universal.INFO_KEY
+    assert {k: v for k, v in after.client.items() if k != INFO_KEY} == {
+        k: v for k, v in before.client.items() if k != INFO_KEY
     }
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import train
 
 import parallama
-from parallama.checkpoint.zero import DEEPSPEED_KEYS, read_zero_checkpoint
+from parallama.checkpoint.formats import DEEPSPEED_KEYS
+from parallama.checkpoint.zero import read_zero_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 TESTS = Path(__file__).parent

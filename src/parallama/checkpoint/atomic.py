@@ -4,7 +4,8 @@ Lightning's TorchCheckpointIO saves through fsspec: a temp file in $TMPDIR, then
 copy when the run directory is on another filesystem (a kill mid-copy or a full disk truncates `last.ckpt`),
 and a write killed on the same filesystem leaves a checkpoint-sized `tmpXXXX` in $TMPDIR. Here the temp file
 is `.<name>.tmp-<pid>` in the target's own directory, fsynced, then `os.replace`d over the target.
-DeepSpeed and FSDP (distributed checkpoints) write their folders themselves; this covers the single files.
+DeepSpeed and FSDP (distributed checkpoints) write their folders themselves: `AtomicFolderCheckpoints` writes them
+beside the target and swaps them in.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not Path(path).is_file():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return load_weights_only(path, map_location=map_location)
+
+
+class AtomicFolderCheckpoints:
+    """DeepSpeed and FSDP write a checkpoint as a folder, in place: a kill mid-write would leave a broken one.
+
+    Write it next to the target as `<name>.partial`, then swap it in; until the swap the previous checkpoint
+    stays whole (as `<name>` or, for an instant, `<name>.old`, which `ckpt_path=last` also finds).
+    """
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        path = Path(filepath)
+        partial, old = path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
+        if self.is_global_zero:
+            _remove(partial)
+        self.barrier("parallama_ckpt_clean")
+        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        self.barrier("parallama_ckpt_written")
+        if self.is_global_zero:
+            _remove(old)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)
+            _remove(old)
+        self.barrier("parallama_ckpt_swapped")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,11 +1,5 @@
-"""Read any strategy's training checkpoint into plain weights + config.
-
-Formats (Lightning's ModelCheckpoint writes `last.ckpt` / `stepNNNNNNN.ckpt` as one of):
-- a file (auto, ddp, ddp_spawn, ddp_sharded): torch.save'd dict with `state_dict` and client state;
-- a DeepSpeed folder (`latest`, `<tag>/*model_states.pt`, `<tag>/*optim_states.pt`): fp32 weights are
-  rebuilt from the ZeRO partitions, client state is in the rank-0 model-states file;
-- a torch.distributed.checkpoint folder (FSDP2, `.metadata`, `*.distcp`): tensors under `state_dict.*`
-  and `optimizer_0.*`, client state in `meta.pt`.
+"""A checkpoint of any strategy as plain weights + model config + client state, for the tools that only read
+(export, eval, generate): no optimizer state, one process, no process group (formats: `formats`).
 
 Checkpoints may come from elsewhere: every pickle is read through `untrusted` (weights-only, allow-listed).
 """
@@ -24,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from parallama.checkpoint.formats import LIGHTNING_TENSORS, client_state, deepspeed_tag, detect
 from parallama.checkpoint.untrusted import (
     _safe_dcp_reader,
     _verify_dcp,
@@ -50,31 +45,25 @@ def _load_file(path: str) -> tuple[dict, dict]:
     ckpt = load_weights_only(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ConfigError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
-    meta = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-    return ckpt["state_dict"], meta
+    return ckpt["state_dict"], {k: v for k, v in ckpt.items() if k not in LIGHTNING_TENSORS}
 
 
 def _load_deepspeed(path: str) -> tuple[dict, dict]:
     """fp32 weights merged from the ZeRO partitions by DeepSpeed's own zero_to_fp32 (no moments, unlike
-    `parallel.zero_state`, which resuming needs)."""
-    tag = Path(path, "latest").read_text().strip()
+    `checkpoint.zero`, which resuming needs)."""
+    tag = deepspeed_tag(path)
     names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
-    files = [f for name in names if (f := Path(path, tag, name)).is_file()]
-    if not files:
-        raise ConfigError(
-            f"checkpoint {path}/{tag} has none of {names}; the DeepSpeed checkpoint is incomplete"
-        )
+    if not any((tag / name).is_file() for name in names):
+        raise ConfigError(f"checkpoint {tag} has none of {names}; the DeepSpeed checkpoint is incomplete")
     _verify_deepspeed(path)
-    client = load_weights_only(files[0])
     try:
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state_dict = get_fp32_state_dict_from_zero_checkpoint(path, tag)
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(path, tag.name)
     except Exception as err:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({err})") from None
-    drop = ("module", "optimizer", "lr_scheduler", "param_shapes", "frozen_param_shapes", "shared_params")
-    return state_dict, {k: v for k, v in client.items() if k not in drop}
+    return state_dict, client_state(path)
 
 
 def _load_dcp(path: str) -> tuple[dict, dict]:
@@ -95,52 +84,14 @@ def _load_dcp(path: str) -> tuple[dict, dict]:
             dcp.load({"state_dict": state_dict}, storage_reader=_safe_dcp_reader(path), no_dist=True)
     except Exception as err:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
-    meta_file = Path(path, "meta.pt")
-    return state_dict, load_weights_only(meta_file) if meta_file.is_file() else {}
-
-
-def read_client_state(path: str | os.PathLike) -> dict:
-    """A checkpoint's non-tensor state (hyper_parameters, counters, tokenizer), without reading the weights."""
-    path = str(path)
-    if os.path.isfile(path):
-        ckpt = load_weights_only(path, mmap=True)  # tensors stay on disk
-        return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-    if os.path.exists(os.path.join(path, "latest")):
-        tag = Path(path, "latest").read_text().strip()
-        files = sorted(Path(path, tag).glob("*model_states.pt"))
-        return load_weights_only(files[0], mmap=True) if files else {}
-    meta_file = Path(path, "meta.pt")
-    return load_weights_only(meta_file) if meta_file.is_file() else {}
-
-
-def check_resumable(path: str | os.PathLike, model: dict) -> None:
-    """Resuming needs the same model shape; say which field differs instead of a state-dict traceback."""
-    saved = (read_client_state(path).get("hyper_parameters") or {}).get("model")
-    if not isinstance(saved, dict):
-        raise ConfigError(f"ckpt_path={path} is not a parallama checkpoint (no hyper_parameters.model)")
-    for key, value in LlamaConfig(**saved).__dict__.items():
-        if model.get(key, value) != value:
-            raise ConfigError(
-                f"ckpt_path={path} was trained with model.{key}={value} but this run has model.{key}={model[key]}; "
-                "resume with the checkpoint's model settings"
-            )
+    return state_dict, client_state(path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
     """Weights (our Llama keys), model config, tokenizer and client state of a checkpoint of any format."""
     path = str(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"ckpt_path={path} does not exist")
-    if os.path.isfile(path):
-        state_dict, meta = _load_file(path)
-    elif os.path.exists(os.path.join(path, "latest")):
-        state_dict, meta = _load_deepspeed(path)
-    elif os.path.exists(os.path.join(path, ".metadata")):
-        state_dict, meta = _load_dcp(path)
-    else:
-        raise ConfigError(
-            f"ckpt_path={path} is a folder but neither a DeepSpeed checkpoint (latest) nor a distributed one (.metadata)"
-        )
+    load = {"file": _load_file, "deepspeed": _load_deepspeed, "dcp": _load_dcp}[detect(path)]
+    state_dict, meta = load(path)
     model_kwargs = (meta.get("hyper_parameters") or {}).get("model")
     if not isinstance(model_kwargs, dict):
         raise ConfigError(f"checkpoint {path} is not a parallama checkpoint (no hyper_parameters.model)")

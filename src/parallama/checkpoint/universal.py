@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.formats import INFO_KEY, client_state, detect
 from parallama.checkpoint.untrusted import (
     _safe_dcp_reader,
     _verify_dcp,
@@ -33,9 +33,6 @@ from parallama.checkpoint.untrusted import (
     weights_only_loads,
 )
 from parallama.errors import ConfigError
-
-INFO_KEY = "parallel"  # checkpoint[INFO_KEY]: who wrote it (strategy, world size, format, optimizer keys)
-LIGHTNING_TENSORS = ("state_dict", "optimizer_states")
 
 
 @dataclass
@@ -45,26 +42,13 @@ class UniversalState:
     client: dict
 
 
-def checkpoint_format(path: str | os.PathLike) -> str:
-    path = str(path)
-    if os.path.isfile(path):
-        return "file"
-    if os.path.exists(os.path.join(path, "latest")):
-        return "deepspeed"
-    if os.path.exists(os.path.join(path, ".metadata")):
-        return "dcp"
-    raise ConfigError(
-        f"ckpt_path={path} is neither a checkpoint file, a DeepSpeed checkpoint (latest) nor a distributed one (.metadata)"
-    )
-
-
 def writer_info(path: str | os.PathLike) -> dict:
     """Who wrote the checkpoint; checkpoints that predate the record give only their format."""
-    return {"format": checkpoint_format(path), **(read_client_state(path).get(INFO_KEY) or {})}
+    return {"format": detect(path), **(client_state(path).get(INFO_KEY) or {})}
 
 
 def read(path: str | os.PathLike) -> UniversalState:
-    fmt = checkpoint_format(path)
+    fmt = detect(path)
     if fmt == "file":
         return _read_file(str(path))
     if fmt == "deepspeed":
@@ -102,9 +86,7 @@ def _read_dcp(path: str) -> UniversalState:
             state = load_whole_dcp(_safe_dcp_reader(path))
     except Exception as err:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
-    meta_file = Path(path, "meta.pt")
-    client = load_weights_only(meta_file) if meta_file.is_file() else {}
-    return UniversalState(state["state_dict"], state.get("optimizer_0"), client)
+    return UniversalState(state["state_dict"], state.get("optimizer_0"), client_state(path))
 
 
 # --- optimizer state: tensor index <-> parameter name ----------------------------------------------------

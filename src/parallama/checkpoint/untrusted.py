@@ -181,14 +181,11 @@ def _verify_dcp(path: str | os.PathLike):
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Before resuming with ckpt_path=<file or folder>: Lightning and DeepSpeed unpickle with full pickle,
     so check first that every pickle in it loads weights-only with the allow-list (else a one-line error)."""
-    path = str(path)
-    if os.path.isfile(path):
-        load_weights_only(path, mmap=True)
-    elif os.path.exists(os.path.join(path, "latest")):
-        _verify_deepspeed(path)
-    elif os.path.exists(os.path.join(path, ".metadata")):
-        _verify_dcp(path)
-    else:
-        raise ConfigError(
-            f"ckpt_path={path} is neither a checkpoint file, a DeepSpeed checkpoint (latest) nor a distributed one (.metadata)"
-        )
+    from parallama.checkpoint.formats import detect
+
+    verify = {
+        "file": lambda p: load_weights_only(p, mmap=True),
+        "deepspeed": _verify_deepspeed,
+        "dcp": _verify_dcp,
+    }
+    verify[detect(path)](str(path))

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.formats import client_state, deepspeed_tag, detect
 from parallama.checkpoint.untrusted import deepspeed_types, load_weights_only, weights_only_loads
 from parallama.errors import ConfigError
 from parallama.runtime import compat
@@ -26,30 +26,6 @@ from parallama.runtime import compat
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # Param-group keys that choose the running optimizer's implementation (a GPU run's fused kernels), not its state.
 NOT_HYPER_PARAMETERS = ("params", "foreach", "fused", "capturable", "differentiable")
-# What DeepSpeed's engine writes into the model-states file beside Lightning's client state
-# (DeepSpeedEngine._common_checkpoint_state and _save_checkpoint).
-DEEPSPEED_KEYS = (
-    "module",
-    "buffer_names",
-    "optimizer",
-    "param_shapes",
-    "frozen_param_shapes",
-    "shared_params",
-    "frozen_param_fragments",
-    "lr_scheduler",
-    "data_sampler",
-    "random_ltd",
-    "sparse_tensor_module_names",
-    "skipped_steps",
-    "global_steps",
-    "global_samples",
-    "dp_world_size",
-    "mp_world_size",
-    "checkpoint_parallel_dimensions",
-    "universal_checkpoint_info",
-    "ds_config",
-    "ds_version",
-)
 
 
 # --- offline: a checkpoint folder -> universal state ---------------------------------------------------------
@@ -61,12 +37,11 @@ def read_zero_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict]:
     hyper_parameters, the datamodule's state, tokens_seen, tokenizer, ...). On CPU, in this process, without a
     process group; every pickle is read weights-only."""
     path = str(path)
-    tag_file = os.path.join(path, "latest")
-    if not os.path.isfile(tag_file):
+    if detect(path) != "deepspeed":
         raise ConfigError(f"{path} is not a DeepSpeed checkpoint (no 'latest' file)")
-    folder = os.path.join(path, open(tag_file).read().strip())
+    folder = str(deepspeed_tag(path))
     allowed = deepspeed_types()
-    client = {k: v for k, v in read_client_state(path).items() if k not in DEEPSPEED_KEYS}
+    client = client_state(path)
     with (
         contextlib.redirect_stdout(sys.stderr),
         weights_only_loads(allowed),

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 from parallama.checkpoint import universal
+from parallama.checkpoint.formats import INFO_KEY, LIGHTNING_TENSORS
 from parallama.checkpoint.untrusted import verify_checkpoint
 from parallama.cli.keyvalue import parse_cli, run_cli, usage
 from parallama.errors import ConfigError
@@ -103,7 +104,7 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
             for key, value in state.client.items():
-                if key not in (*universal.LIGHTNING_TENSORS, universal.INFO_KEY):
+                if key not in (*LIGHTNING_TENSORS, INFO_KEY):
                     checkpoint[key] = value  # the module's hook then records the new writer (INFO_KEY)
 
     module = LlamaLM(**{**hparams, "compile": False, "init_from": None})

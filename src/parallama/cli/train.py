@@ -15,11 +15,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
+from parallama.checkpoint.resume import last_checkpoint_note
 from parallama.config.checks import check_config
 from parallama.config.compose import preflight
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.runtime import faults
-from parallama.runtime.launch import patch_ddp_relaunch, resolve_ckpt_path, use_private_torch_extensions
+from parallama.runtime.launch import patch_ddp_relaunch, use_private_torch_extensions
 
 log = logging.getLogger("parallama")
 
@@ -41,12 +42,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
-    from parallama.checkpoint.read import check_resumable, read_client_state
-    from parallama.checkpoint.untrusted import verify_checkpoint
+    from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import LlamaLM
 
-    faults.check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
+    check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -103,11 +103,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     )
     faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:
-        verify_checkpoint(
-            ckpt_path
-        )  # Lightning and DeepSpeed unpickle it in full: nothing in it may run code
-        check_resumable(ckpt_path, model_cfg)
-        check_resume_position(ckpt_path, read_client_state(ckpt_path), datamodule, trainer)
+        check_resume(ckpt_path, model_cfg, datamodule, trainer.max_steps)
     if cfg.validate_before_training and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -117,20 +113,6 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
     objects.update(logger=loggers, trainer=trainer)
     return dict(trainer.callback_metrics), objects
-
-
-def check_resume_position(ckpt_path: str, state: dict, datamodule, trainer) -> None:
-    """Refuse a resume that would train nothing, or continue the data order under other settings (the
-    data-parallel size and batch size may change: the data position is a global sample)."""
-    step, max_steps = state.get("global_step", 0), trainer.max_steps
-    if 0 < max_steps <= step:
-        raise ConfigError(
-            f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to "
-            f"train; raise trainer.max_steps to continue the run"
-        )
-    saved = state.get(type(datamodule).__name__)
-    if saved:
-        datamodule.check_resume(saved, source=f"ckpt_path={ckpt_path}")
 
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
@@ -155,10 +137,6 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
         generator=torch.Generator(device=device).manual_seed(cfg.seed),
     )
     return tokenizer.decode(out[0, 1:].tolist(), skip_special_tokens=True)
-
-
-def last_checkpoint_note(cfg: DictConfig) -> str:
-    return faults.last_checkpoint_note(cfg.paths.output_dir)
 
 
 def job_config(cfg: DictConfig) -> dict:
@@ -235,7 +213,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         log.error(f"error: {instantiation_error(err)}")
         sys.exit(2)
     except TrainingDiverged as err:
-        log.error(f"error: {err} ({last_checkpoint_note(cfg)})")
+        log.error(f"error: {err} ({last_checkpoint_note(cfg.paths.output_dir)})")
         sys.exit(3)
     except faults.Preempted as stop:
         log.warning(f"{stop}; resume with ckpt_path=last")

@@ -1,16 +1,14 @@
 """Parallelism in one place (as torchtitan keeps it): one class per strategy of the Hydra `strategy` group.
 
     base.py        Parallelism: what a strategy declares (mesh, model building, optimizer, checkpoints,
-                   memory profile for parallama-plan); AtomicFolderCheckpoints
-    apply.py       apply_ac, apply_compile, apply_fsdp: the model transformations, explicit arguments
-    ddp.py         auto (one device), ddp, ddp_spawn, ddp_sharded (ZeRO-1)
-    deepspeed.py   deepspeed (ZeRO 1/2/3, offload; CPU-capable)
-    fsdp.py        fsdp (FSDP2)
-    universal.py   the universal checkpoint: any strategy's checkpoint, at any world size, resumed by any other
-    zero_state.py  DeepSpeed's ZeRO partitions <-> the universal state
+                   memory profile for parallama-plan)
+    strategies/    ddp.py (auto, ddp, ddp_spawn, ddp_sharded), deepspeed.py (ZeRO 1/2/3, offload; CPU-capable),
+                   fsdp.py (FSDP2)
 
-A strategy is found through its config: every conf/strategy/<name>.yaml whose `_target_` is a Parallelism
-class is one (`declared_strategies`). Adding a strategy = one class + one config file.
+How a model is sharded is the model's own plan (models/<family>/parallelize.py); how any checkpoint resumes under
+any strategy is checkpoint/universal.py. A strategy is found through its config: every conf/strategy/<name>.yaml
+whose `_target_` is a Parallelism class is one (`declared_strategies`). Adding a strategy = one class + one
+config file.
 """
 
 from __future__ import annotations

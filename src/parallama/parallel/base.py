@@ -16,7 +16,6 @@ Adding a strategy = one such class + one conf/strategy/<name>.yaml whose `_targe
 from __future__ import annotations
 
 import logging
-import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from parallama.checkpoint import universal
+from parallama.checkpoint.formats import LIGHTNING_TENSORS
 
 log = logging.getLogger("parallama")
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -168,7 +168,7 @@ class Parallelism:
         state = universal.read(checkpoint_path)
         self.load_universal(state)
         self._universal_loaded = True
-        return {k: v for k, v in state.client.items() if k not in universal.LIGHTNING_TENSORS}
+        return {k: v for k, v in state.client.items() if k not in LIGHTNING_TENSORS}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if not self._universal_loaded:
@@ -185,34 +185,3 @@ def data_parallel(trainer) -> tuple[int, int]:
     if isinstance(strategy, Parallelism):
         return strategy.data_parallel_size, strategy.data_parallel_rank
     return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-
-
-class AtomicFolderCheckpoints:
-    """DeepSpeed and FSDP write a checkpoint as a folder, in place: a kill mid-write would leave a broken one.
-
-    Write it next to the target as `<name>.partial`, then swap it in; until the swap the previous checkpoint
-    stays whole (as `<name>` or, for an instant, `<name>.old`, which `ckpt_path=last` also finds).
-    """
-
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        path = Path(filepath)
-        partial, old = path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
-        if self.is_global_zero:
-            _remove(partial)
-        self.barrier("parallama_ckpt_clean")
-        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
-        self.barrier("parallama_ckpt_written")
-        if self.is_global_zero:
-            _remove(old)
-            if path.exists():
-                path.rename(old)
-            partial.rename(path)
-            _remove(old)
-        self.barrier("parallama_ckpt_swapped")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()

@@ -1,8 +1,6 @@
 """What a run does when a rank dies or the launch cannot work; see docs/strategies.md, "Signals and failures".
 
 - `check_multi_node`: `trainer.num_nodes>1` with no multi-node launcher around would wait for peers forever.
-- `check_fresh_run`: a run resumes only when asked (`ckpt_path`, or a SLURM requeue), never by landing in an
-  old run directory.
 - `watch_ranks` / `lost_rank`: a rank killed mid-run ends the others with one line naming it and exit status
   `EXIT_RANK_DIED`, instead of a gloo traceback (or, on NCCL, a hang).
 
@@ -15,8 +13,8 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 
+from parallama.checkpoint.resume import last_checkpoint_note
 from parallama.errors import ConfigError
 from parallama.runtime import compat
 
@@ -29,11 +27,6 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 class Preempted(Exception):
     """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0."""
-
-
-def last_checkpoint_note(output_dir: str) -> str:
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
 
 
 def check_multi_node(num_nodes: int) -> None:
@@ -52,21 +45,6 @@ def check_multi_node(num_nodes: int) -> None:
             f"trainer.num_nodes={num_nodes} needs a multi-node launch (torchrun --nnodes, SLURM srun, or "
             "MASTER_ADDR/NODE_RANK set on each node); see docs/strategies.md"
         )
-
-
-def check_fresh_run(cfg) -> None:
-    """A run resumes only when asked: without `ckpt_path`, refuse a run directory that holds last.ckpt.
-
-    Except a requeued SLURM job (SLURM_RESTART_COUNT > 0), which reruns the same command in the same directory
-    and so resumes its last.ckpt (`ckpt_path` becomes `last`).
-    """
-    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    if cfg.ckpt_path is not None or not last.exists():
-        return
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
-        cfg.ckpt_path = "last"
-        return
-    raise ConfigError(f"{last} exists: resume it with ckpt_path=last, or pick a new hydra.run.dir")
 
 
 class _RankWatch(threading.Thread):

@@ -1,4 +1,4 @@
-"""How ranks are started and where a resumed run's checkpoint is found.
+"""How ranks are started.
 
 Lightning's `ddp` starts ranks > 0 by re-running `sys.argv`. Under a Hydra sweep (`-m a=1,2`) that re-runs the
 whole sweep in every child, and under the Optuna sweeper every child runs its own study with other
@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-
-from parallama.errors import ConfigError
 
 
 def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
@@ -87,34 +85,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
-    """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
-    (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
-
-    `last.ckpt.old` counts too: a folder checkpoint is `.old` for an instant while its successor is swapped in,
-    and a kill at that instant must not make `last` fall back to an older run.
-    """
-    if ckpt_path is None:
-        return None
-    if ckpt_path != "last":
-        if not Path(ckpt_path).exists():
-            raise ConfigError(
-                f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
-            )
-        return str(Path(ckpt_path).resolve())
-    own = Path(output_dir) / "checkpoints" / "last.ckpt"
-    for candidate in (own, own.with_name("last.ckpt.old")):
-        if candidate.exists():
-            return str(candidate)
-    candidates = [
-        *Path(runs_root).glob("*/checkpoints/last.ckpt"),
-        *Path(runs_root).glob("*/checkpoints/last.ckpt.old"),
-    ]
-    if not candidates:
-        raise ConfigError(f"ckpt_path=last but no run under {runs_root} has a checkpoints/last.ckpt")
-    return str(max(candidates, key=lambda p: p.stat().st_mtime))
 
 
 def use_private_torch_extensions() -> None:

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig, open_dict
 
-from parallama.checkpoint.read import read_client_state
+from parallama.checkpoint.formats import client_state
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
@@ -100,7 +100,7 @@ def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> None:
     """Resuming: the W&B logger continues the run its checkpoint names (unless the logger's `id` is set)."""
     for node in (cfg.get("logger") or {}).values():
         if ckpt_path and node and node.get("_target_") == f"{__name__}.wandb_logger" and not node.get("id"):
-            run_id = read_client_state(ckpt_path).get(RUN_ID_KEY)
+            run_id = client_state(ckpt_path).get(RUN_ID_KEY)
             if run_id:
                 with open_dict(node):
                     node.id = run_id

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from parallama.checkpoint.universal import INFO_KEY
+from parallama.checkpoint.formats import INFO_KEY
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama

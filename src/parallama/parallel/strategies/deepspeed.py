@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from parallama.parallel.base import AtomicFolderCheckpoints, MemoryProfile, Parallelism
+from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.parallel.base import MemoryProfile, Parallelism
 from parallama.runtime import compat
 
 log = logging.getLogger("parallama")

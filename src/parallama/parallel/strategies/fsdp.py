@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallama.errors import ConfigError
-from parallama.parallel.base import AtomicFolderCheckpoints, MemoryProfile, Parallelism
+from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.parallel.base import MemoryProfile, Parallelism
 from parallama.runtime import compat
 
 FSDP = "strategy=fsdp"

@@ -1,0 +1,91 @@
+"""When and from what a run resumes, in one place: `ckpt_path` resolved (`last`), a fresh run refused where it
+would silently continue an old one, and a checkpoint checked before Lightning or DeepSpeed reads it (weights-only
+safe, the same model shape, something left to train, the same data order). Each refusal is one line naming the
+key; see README, "Long runs".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from parallama.checkpoint.formats import client_state
+from parallama.errors import ConfigError
+
+
+def last_checkpoint_note(output_dir: str) -> str:
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+
+
+def check_fresh_run(cfg: DictConfig) -> None:
+    """A run resumes only when asked: without `ckpt_path`, refuse a run directory that holds last.ckpt.
+
+    Except a requeued SLURM job (SLURM_RESTART_COUNT > 0), which reruns the same command in the same directory
+    and so resumes its last.ckpt (`ckpt_path` becomes `last`).
+    """
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    if cfg.ckpt_path is not None or not last.exists():
+        return
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        cfg.ckpt_path = "last"
+        return
+    raise ConfigError(f"{last} exists: resume it with ckpt_path=last, or pick a new hydra.run.dir")
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
+    """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
+    (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
+
+    `last.ckpt.old` counts too: a folder checkpoint is `.old` for an instant while its successor is swapped in,
+    and a kill at that instant must not make `last` fall back to an older run.
+    """
+    if ckpt_path is None:
+        return None
+    if ckpt_path != "last":
+        if not Path(ckpt_path).exists():
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
+            )
+        return str(Path(ckpt_path).resolve())
+    own = Path(output_dir) / "checkpoints" / "last.ckpt"
+    for candidate in (own, own.with_name("last.ckpt.old")):
+        if candidate.exists():
+            return str(candidate)
+    candidates = [
+        *Path(runs_root).glob("*/checkpoints/last.ckpt"),
+        *Path(runs_root).glob("*/checkpoints/last.ckpt.old"),
+    ]
+    if not candidates:
+        raise ConfigError(f"ckpt_path=last but no run under {runs_root} has a checkpoints/last.ckpt")
+    return str(max(candidates, key=lambda p: p.stat().st_mtime))
+
+
+def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> None:
+    """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
+    it may run code; then the same model shape, something left to train, the same data order."""
+    from parallama.checkpoint.untrusted import verify_checkpoint
+    from parallama.models.llama.config import LlamaConfig
+
+    verify_checkpoint(ckpt_path)
+    state = client_state(ckpt_path)
+    saved = (state.get("hyper_parameters") or {}).get("model")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"ckpt_path={ckpt_path} is not a parallama checkpoint (no hyper_parameters.model)")
+    for key, value in LlamaConfig(**saved).__dict__.items():
+        if model.get(key, value) != value:
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} was trained with model.{key}={value} but this run has "
+                f"model.{key}={model[key]}; resume with the checkpoint's model settings"
+            )
+    step = state.get("global_step", 0)
+    if 0 < max_steps <= step:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to "
+            f"train; raise trainer.max_steps to continue the run"
+        )
+    saved_data = state.get(type(datamodule).__name__)
+    if saved_data:  # the data-parallel size and batch size may change: the data position is a global sample
+        datamodule.check_resume(saved_data, source=f"ckpt_path={ckpt_path}")

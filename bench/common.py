@@ -64,6 +64,7 @@ def print_machine(info: dict) -> None:
 def preset(name: str, vocab_size: int) -> dict:
     """A conf/model preset as a dict; `vocab_size: null` follows the tokenizer as parallama-train does."""
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), resolve=True)
+    cfg.pop("family")  # the benchmarks build the Llama itself
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = -(-vocab_size // 64) * 64
     return cfg

@@ -96,7 +96,7 @@ def plain(cfg: dict, init: dict, dm, args, device: torch.device) -> tuple[float,
 
 
 def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: bool) -> tuple[float, float]:
-    """`LlamaLM` + `Trainer` as parallama-train builds them, minus validation; `defaults`: all of
+    """`CausalLM` + `Trainer` as parallama-train builds them, minus validation; `defaults`: all of
     conf/callbacks/default.yaml, else only the throughput monitor (progress bar and checkpoints off)."""
     import hydra
     import lightning as L
@@ -104,7 +104,7 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
     from omegaconf import OmegaConf
 
     from parallama.training.callbacks import TokenThroughputMonitor
-    from parallama.training.module import LlamaLM
+    from parallama.training.module import CausalLM
 
     class Timer(L.Callback):
         def __init__(self):
@@ -119,7 +119,7 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
                 self.rate = args.steps / (time.perf_counter() - self.t0)
                 self.loss = outputs["loss"].item()
 
-    module = LlamaLM(model=cfg, optimizer=OPTIMIZER, scheduler=scheduler(args))
+    module = CausalLM(model=cfg, optimizer=OPTIMIZER, scheduler=scheduler(args))
     module.configure_model()  # the model parallama builds (parallelize() included), then the shared weights
     module.model.load_state_dict(init)
     timer = Timer()

@@ -123,12 +123,12 @@ def test_position_ids_match_hf_llama():
 def test_training_loss_is_that_of_each_document_alone():
     """The LightningModule's loss on a window of three whole documents: the mean over the terms of the three
     documents trained alone (the EOT -> next BOT targets are not among them)."""
-    from parallama.training.module import LlamaLM
+    from parallama.training.module import CausalLM
 
     tokens = stream([6, 11, 4], seed=7)  # 8 + 13 + 6 = 27 tokens: inputs 26, the last label is the last EOT
     item = PackedDataset(tokens, 26, SPECIALS)[0]
     config = build().config
-    module = LlamaLM(model=vars(config), optimizer={}, scheduler={})
+    module = CausalLM(model=vars(config), optimizer={}, scheduler={})
     module.configure_model()
     batch = {k: v[None] for k, v in item.items() if k != "index"}
     total, terms = 0.0, 0
@@ -139,9 +139,9 @@ def test_training_loss_is_that_of_each_document_alone():
         total += F.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
         terms += end - start - 1
     with torch.no_grad():
-        assert module._loss(batch).item() == pytest.approx(total / terms, abs=1e-5)
+        assert module.loss(batch).item() == pytest.approx(total / terms, abs=1e-5)
         unmasked = {k: batch[k] for k in ("input_ids", "labels")}
-        assert abs(module._loss(unmasked).item() - total / terms) > 1e-4
+        assert abs(module.loss(unmasked).item() - total / terms) > 1e-4
 
 
 def test_unmasked_path_is_bitwise_causal_sdpa():
@@ -151,7 +151,7 @@ def test_unmasked_path_is_bitwise_causal_sdpa():
     with torch.no_grad():
         h = model.embed_tokens(x)
         cos, sin = model.rotary_emb.cos[:24], model.rotary_emb.sin[:24]
-        for layer in model.layers:
+        for layer in model.layers.values():
             attn, hd = layer.self_attn, layer.self_attn.head_dim
             a = layer.input_layernorm(h)
             q, k, v = (

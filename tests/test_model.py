@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
+from parallama.models.generation import generate
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import (
     Llama,
     apply_rotary,
-    generate,
     rope_inv_freq,
 )
 
@@ -165,7 +165,7 @@ def test_gqa_matches_repeat_interleave_reference(kv_heads):
     assert model(tokens(2, 9)).isfinite().all()
     torch.manual_seed(2)
     x = torch.randn(2, 9, 64)
-    attn, rope = model.layers[0].self_attn, model.rotary_emb
+    attn, rope = model.layers["0"].self_attn, model.rotary_emb
     cos, sin = rope.cos[:9], rope.sin[:9]
     with torch.no_grad():
         torch.testing.assert_close(
@@ -258,7 +258,7 @@ def test_meta_device_init(tie):
     assert torch.equal(model.norm.weight, torch.ones(64))
     assert model(tokens(2, 8)).isfinite().all()
     # residual projections are scaled down by sqrt(2 * num_layers)
-    std = model.layers[0].mlp.down_proj.weight.std().item()
+    std = model.layers["0"].mlp.down_proj.weight.std().item()
     assert 0.02 / 2 * 0.7 < std < 0.02 / 2 * 1.3
 
 

@@ -12,7 +12,7 @@ from parallama import CONF_DIR
 from parallama.config.checks import check_config
 from parallama.config.compose import preflight
 from parallama.errors import ConfigError
-from parallama.training.module import LlamaLM, warmup_cosine
+from parallama.training.module import CausalLM, warmup_cosine
 
 SCHED = dict(warmup_steps=10, total_steps=110, start_factor=0.1, min_ratio=0.0)
 
@@ -29,13 +29,13 @@ def test_schedule_warmup_peak_end():
     assert all(a >= b for a, b in zip(values, values[1:]))
 
 
-def tiny_module(**overrides) -> LlamaLM:
+def tiny_module(**overrides) -> CausalLM:
     model = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
     )
     optimizer = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None)
     scheduler = dict(warmup_steps=2, warmup_start_factor=0.1, min_lr_ratio=0.0)
-    module = LlamaLM(model=model, optimizer=optimizer, scheduler=scheduler, **overrides)
+    module = CausalLM(model=model, optimizer=optimizer, scheduler=scheduler, **overrides)
     module.configure_model()
     return module
 
@@ -48,7 +48,7 @@ class _FakeTrainer:
 
 def test_decay_groups_and_schedule_wiring(monkeypatch):
     module = tiny_module()
-    monkeypatch.setattr(LlamaLM, "trainer", property(lambda self: _FakeTrainer()))
+    monkeypatch.setattr(CausalLM, "trainer", property(lambda self: _FakeTrainer()))
     conf = module.configure_optimizers()
     optimizer, scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     decay, no_decay = optimizer.param_groups
@@ -68,7 +68,7 @@ def test_warmup_longer_than_training_is_rejected(monkeypatch):
     module = tiny_module()
     trainer = _FakeTrainer()
     trainer.estimated_stepping_batches = 2
-    monkeypatch.setattr(LlamaLM, "trainer", property(lambda self: trainer))
+    monkeypatch.setattr(CausalLM, "trainer", property(lambda self: trainer))
     with pytest.raises(ConfigError, match="scheduler.warmup_steps=2"):
         module.configure_optimizers()
 
@@ -106,11 +106,12 @@ def test_global_batch_derives_accumulation():
 def test_model_presets_validate_and_have_the_documented_size(preset):
     from omegaconf import OmegaConf
 
-    from parallama.models.llama.config import LlamaConfig
+    from parallama.models import model_spec
 
     fields = OmegaConf.to_container(compose_train(f"model={preset}").model)
     fields["vocab_size"] = fields["vocab_size"] or 320
-    params = LlamaConfig(**fields).num_params()
+    config = model_spec(fields).build_config(fields)
+    params = config.num_params()
     expected = {
         "tiny": (0.8e6, 0.95e6),
         "llama_180m": (179e6, 180e6),
@@ -118,7 +119,7 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
         "llama3_8b": (8.0e9, 8.06e9),
     }[preset]
     assert expected[0] <= params <= expected[1], params
-    assert math.isfinite(LlamaConfig(**fields).flops_per_token(512))
+    assert math.isfinite(config.flops_per_token(512))
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,7 @@ def _measure_rank(rank: int, world: int, init: str, out_dir: str) -> None:
         torch.manual_seed(0)
         model = Llama(SMALL)
         if name == "fsdp":
-            for block in model.layers:
+            for block in model.layers.values():
                 fully_shard(block)
             fully_shard(model)
             net, opt = model, torch.optim.AdamW(model.parameters())

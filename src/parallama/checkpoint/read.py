@@ -28,15 +28,16 @@ from parallama.checkpoint.untrusted import (
     weights_only_loads,
 )
 from parallama.errors import ConfigError
-from parallama.models.llama.config import LlamaConfig
+from parallama.models import ModelSpec, model_spec
 
-PREFIX = "model."  # LlamaLM keeps its Llama at `self.model`
+PREFIX = "model."  # CausalLM keeps its model at `self.model`
 
 
 @dataclass
 class LoadedCheckpoint:
-    state_dict: dict[str, Tensor]  # our Llama keys, fp32, on CPU
-    config: LlamaConfig
+    state_dict: dict[str, Tensor]  # the model's own keys, fp32, on CPU
+    spec: ModelSpec  # its family
+    config: object  # the family's config
     tokenizer_json: str | None  # None in checkpoints written before tokenizers were embedded
     meta: dict  # the rest of the client state: hyper_parameters, global_step, tokens_seen, ...
 
@@ -88,18 +89,21 @@ def _load_dcp(path: str) -> tuple[dict, dict]:
 
 
 def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
-    """Weights (our Llama keys), model config, tokenizer and client state of a checkpoint of any format."""
+    """Weights (the model's own keys), its family and config, tokenizer and client state of a checkpoint of any
+    format."""
     path = str(path)
     load = {"file": _load_file, "deepspeed": _load_deepspeed, "dcp": _load_dcp}[detect(path)]
     state_dict, meta = load(path)
     model_kwargs = (meta.get("hyper_parameters") or {}).get("model")
     if not isinstance(model_kwargs, dict):
         raise ConfigError(f"checkpoint {path} is not a parallama checkpoint (no hyper_parameters.model)")
-    config = LlamaConfig(**model_kwargs)
+    spec = model_spec(model_kwargs)
+    config = spec.build_config(model_kwargs)
     ours = {k.removeprefix(PREFIX): v.float() for k, v in state_dict.items() if k.startswith(PREFIX)}
-    if config.tie_word_embeddings and "embed_tokens.weight" in ours:
-        ours["lm_head.weight"] = ours["embed_tokens.weight"]  # some formats store a tied tensor once
-    return LoadedCheckpoint(ours, config, meta.pop("tokenizer", None), meta)
+    for alias, source in config.tied_parameters().items():  # some formats store a tied tensor once
+        if source in ours:
+            ours[alias] = ours[source]
+    return LoadedCheckpoint(ours, spec, config, meta.pop("tokenizer", None), meta)
 
 
 def load_state_into(model: nn.Module, state_dict: dict[str, Tensor], source: str = "checkpoint") -> None:

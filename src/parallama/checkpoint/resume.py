@@ -67,14 +67,15 @@ def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> Non
     """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
     it may run code; then the same model shape, something left to train, the same data order."""
     from parallama.checkpoint.untrusted import verify_checkpoint
-    from parallama.models.llama.config import LlamaConfig
+    from parallama.models import DEFAULT_FAMILY, model_spec
 
     verify_checkpoint(ckpt_path)
     state = client_state(ckpt_path)
     saved = (state.get("hyper_parameters") or {}).get("model")
     if not isinstance(saved, dict):
         raise ConfigError(f"ckpt_path={ckpt_path} is not a parallama checkpoint (no hyper_parameters.model)")
-    for key, value in LlamaConfig(**saved).__dict__.items():
+    fields = {"family": saved.get("family") or DEFAULT_FAMILY, **vars(model_spec(saved).build_config(saved))}
+    for key, value in fields.items():
         if model.get(key, value) != value:
             raise ConfigError(
                 f"ckpt_path={ckpt_path} was trained with model.{key}={value} but this run has "

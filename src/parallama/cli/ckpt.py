@@ -87,7 +87,7 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
 
     from parallama.parallel.strategies.deepspeed import DeepSpeed
     from parallama.runtime.launch import use_private_torch_extensions
-    from parallama.training.module import LlamaLM
+    from parallama.training.module import CausalLM
 
     use_private_torch_extensions()
     # This stand-in run has none of the source run's callbacks or validation data, and needs none.
@@ -107,7 +107,7 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
                 if key not in (*LIGHTNING_TENSORS, INFO_KEY):
                     checkpoint[key] = value  # the module's hook then records the new writer (INFO_KEY)
 
-    module = LlamaLM(**{**hparams, "compile": False, "init_from": None})
+    module = CausalLM(**{**hparams, "compile": False, "init_from": None})
     strategy = DeepSpeed(
         stage=cfg.stage,
         offload_optimizer=cfg.offload,

@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from parallama import CONF_DIR
 from parallama.checkpoint.read import load_checkpoint, load_state_into, run_config, run_config_path
 from parallama.errors import ConfigError
-from parallama.models.llama.model import Llama
 
 DATA_CONF = CONF_DIR / "data"
 TOP_KEYS = "ckpt_path, split, max_batches, json, device, seed, data.*"
@@ -94,7 +93,7 @@ def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     loader = datamodule.val_dataloader() if cfg.split == "val" else datamodule.train_dataloader()
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = Llama(ckpt.config)
+    model = ckpt.spec.model(ckpt.config)
     load_state_into(model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
     model.to(device).eval()
     total, count = 0.0, 0

@@ -11,8 +11,8 @@ from parallama.checkpoint.read import load_checkpoint, load_state_into
 from parallama.cli.keyvalue import parse_cli, run_cli, usage
 from parallama.data.tokenizer import from_pretrained, special_ids
 from parallama.errors import ConfigError
-from parallama.models.llama.hf import load_hf_config, load_hf_weights
-from parallama.models.llama.model import Llama, generate
+from parallama.models import spec_for_hf_folder
+from parallama.models.generation import generate
 
 DEFAULTS = {
     "ckpt_path": None,
@@ -27,20 +27,21 @@ DEFAULTS = {
 }
 
 
-def load_model(cfg) -> tuple[Llama, Tokenizer]:
+def load_model(cfg) -> tuple[torch.nn.Module, Tokenizer]:
     """From a training checkpoint (any strategy) or from a Hugging Face folder (e.g. parallama-export's)."""
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=<checkpoint> or model_dir=<Hugging Face folder>")
     if cfg.model_dir is not None:
-        model = Llama(load_hf_config(cfg.model_dir))
-        load_hf_weights(model, cfg.model_dir)
+        spec = spec_for_hf_folder(cfg.model_dir)
+        model = spec.model(spec.hf.load_hf_config(cfg.model_dir))
+        spec.hf.load_hf_weights(model, cfg.model_dir)
         return model, from_pretrained(cfg.model_dir)
     ckpt = load_checkpoint(cfg.ckpt_path)
     if ckpt.tokenizer_json is None:
         raise ConfigError(
             f"checkpoint {cfg.ckpt_path} has no tokenizer (written before tokenizers were stored)"
         )
-    model = Llama(ckpt.config)
+    model = ckpt.spec.model(ckpt.config)
     load_state_into(model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
     return model, Tokenizer.from_str(ckpt.tokenizer_json)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
-from parallama.models.llama.config import LlamaConfig
+from parallama.models import model_spec
 from parallama.parallel import GUIDE, MemoryProfile, memory_profiles
 
 GIB = 2**30
@@ -59,7 +59,7 @@ def state_bytes(precision: str, engine: str) -> tuple[int, int, int, int]:
     return {"autocast": (4, 4, 8, 2), "deepspeed": (2, 2, 12, 0), "fsdp": (4, 4, 8, 2)}[engine]
 
 
-def activation_bytes(c: LlamaConfig, tokens: int, e: int, e_res: int, checkpointing: bool) -> int:
+def activation_bytes(c, tokens: int, e: int, e_res: int, checkpointing: bool) -> int:
     """Saved activations of one micro-batch of `tokens` tokens; e / e_res: bytes of a compute / residual element.
 
     Per layer and token, Korthikanti et al.'s 34h (GPT, 16-bit, with dropout) becomes, for a Llama block with
@@ -76,7 +76,7 @@ def activation_bytes(c: LlamaConfig, tokens: int, e: int, e_res: int, checkpoint
     return tokens * (layers + head)
 
 
-def _gathered_params(c: LlamaConfig, how: str) -> int:
+def _gathered_params(c, how: str) -> int:
     """Parameters unsharded at once: all, or the root (embedding, lm_head, final norm) plus two blocks."""
     if how == "all":
         return c.num_params()
@@ -85,7 +85,7 @@ def _gathered_params(c: LlamaConfig, how: str) -> int:
 
 
 def estimate(
-    config: LlamaConfig,
+    config,
     *,
     world_size: int,
     seq_len: int,
@@ -158,10 +158,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         notes.append(
             f"model.vocab_size=null: assuming the tokenizer's {n} tokens, rounded up to {model['vocab_size']}"
         )
-    try:
-        config = LlamaConfig(**model)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    config = model_spec(model).build_config(model)
     precision = OmegaConf.to_container(cfg.trainer)["precision"]
     if precision == "${auto_precision:}":
         precision = "bf16-mixed"

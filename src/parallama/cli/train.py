@@ -44,7 +44,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
     from parallama.training.loggers import continue_wandb_run
-    from parallama.training.module import LlamaLM
+    from parallama.training.module import CausalLM
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
@@ -60,7 +60,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             f"the tokenizer has {vocab} tokens but model.vocab_size={model_cfg['vocab_size']}; "
             f"set model.vocab_size>={vocab} (or null to follow the tokenizer)"
         )
-    module = LlamaLM(
+    module = CausalLM(
         model=model_cfg,
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
@@ -119,16 +119,19 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
     """Every rank generates (sharded models need all ranks in each forward); the same seed gives the same text."""
     import torch
 
-    from parallama.models.llama.model import generate
+    from parallama.models.generation import generate
 
-    if module.model is None or module.model.embed_tokens.weight.device.type == "meta":
+    if module.model is None:
+        return None
+    model = module.parallelism.inference_model(module.model)
+    device = next(model.parameters()).device
+    if device.type == "meta":
         return None
     tokenizer, ids = datamodule.tokenizer, datamodule.special_ids
     prompt = [ids.bot, *tokenizer.encode(cfg.sample.prompt, add_special_tokens=False).ids]
-    device = module.model.embed_tokens.weight.device
-    module.model.eval()
+    model.eval()
     out = generate(
-        module.model,
+        model,
         torch.tensor([prompt], device=device),
         max_new_tokens=cfg.sample.max_new_tokens,
         temperature=cfg.sample.temperature,

@@ -1,7 +1,7 @@
 """Cross-key checks of the composed config, run before any data is read or any process is started.
 
 Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
-accepts is in `_RULES`; the model's fields are checked by `LlamaConfig` itself. How the config is composed
+accepts is in `_RULES`; the model's fields are checked by its family's config class itself (`models`). How the config is composed
 from the command line (and Hydra's own errors worded) is in `compose`.
 """
 
@@ -163,17 +163,12 @@ def _show(value) -> str:
 
 
 def _check_model_shape(model: DictConfig) -> None:
-    from parallama.models.llama.config import LlamaConfig
+    from parallama.models import model_spec
 
     fields = OmegaConf.to_container(model, resolve=True)
     if fields.get("vocab_size") is None:
         fields["vocab_size"] = 1  # filled in from the tokenizer later
-    try:
-        LlamaConfig(**fields)
-    except TypeError as err:  # an unknown field
-        raise ConfigError(f"model: {err}; valid fields are LlamaConfig's (Hugging Face names)") from None
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    model_spec(fields).build_config(fields)
 
 
 def _check_optimizer(cfg: DictConfig) -> None:

@@ -16,9 +16,9 @@ Adding a strategy = one such class + one conf/strategy/<name>.yaml whose `_targe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -89,16 +89,15 @@ class Parallelism:
     # --- the model --------------------------------------------------------------------------------------
 
     def model_init_context(self):
-        """Where `Llama(config)` is built (e.g. on the meta device)."""
+        """Where the model is built (e.g. on the meta device)."""
         return nullcontext()
 
     def init_weights(self, model) -> None:
         """After building, before `load_pretrained`: the constructor's initialization stands by default."""
 
-    def load_pretrained(self, model, init_from: str) -> None:
-        from parallama.models.llama.hf import load_hf_weights
-
-        load_hf_weights(model, init_from)
+    def load_pretrained(self, model, load: Callable[[torch.nn.Module], None]) -> None:
+        """`load(model)` fills it with a pretrained model's weights (`init_from`)."""
+        load(model)
 
     @staticmethod
     def param_shape(param: torch.nn.Parameter) -> torch.Size:
@@ -112,6 +111,14 @@ class Parallelism:
             apply_ac(model)
         if compile:
             apply_compile(model)
+        return model
+
+    def compute_loss(self, module, batch: dict) -> torch.Tensor:
+        """The batch's loss, the same on every rank (`module.loss(batch)`: a forward pass and cross-entropy)."""
+        return module.loss(batch)
+
+    def inference_model(self, model):
+        """The model that `models.generation.generate` runs on every rank (the end-of-run sample)."""
         return model
 
     def make_optimizer(self, groups: list[dict], *, fused: bool | None, **kwargs) -> torch.optim.Optimizer:

@@ -1,4 +1,5 @@
-"""The LightningModule: loss, optimizer, learning-rate schedule and metrics around the plain model in model.py."""
+"""The LightningModule: loss, optimizer, learning-rate schedule and metrics around a plain model of any family
+(`models`), built and parallelized as the strategy says (`parallel`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from torchmetrics import MeanMetric
 
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.errors import ConfigError, TrainingDiverged
-from parallama.models.llama.config import LlamaConfig
-from parallama.models.llama.model import Llama
+from parallama.models import model_spec
 from parallama.parallel import Parallelism, data_parallel
 
 log = logging.getLogger("parallama")
@@ -54,8 +54,9 @@ def ends_the_run(trainer) -> bool:
     return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
-class LlamaLM(L.LightningModule):
-    """Causal language modelling on a `Llama`. Arguments are plain dicts so checkpoints rebuild the module."""
+class CausalLM(L.LightningModule):
+    """Causal language modelling on a model of the family `model["family"]` names. Arguments are plain dicts so
+    checkpoints rebuild the module."""
 
     def __init__(
         self,
@@ -68,25 +69,35 @@ class LlamaLM(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = LlamaConfig(**model)
-        self.model: Llama | None = None
+        self.spec = model_spec(model)
+        self.config = self.spec.build_config(model)
+        self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The running strategy (parallel/), or outside a Trainer the defaults: plain PyTorch."""
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            strategy = None
+        return strategy if isinstance(strategy, Parallelism) else Parallelism()
 
     def configure_model(self) -> None:
         """Build (and shard) the model here, as the strategy says (parallel/): strategies wrap it as it is
         created (ZeRO-3, the meta device) and parallelize it before the optimizer exists."""
         if self.model is not None:
             return
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if not isinstance(strategy, Parallelism):  # outside a Trainer: plain PyTorch
-            strategy = Parallelism()
+        strategy = self.parallelism
         with strategy.model_init_context():
-            model = Llama(self.config)
+            model = self.spec.model(self.config)
         strategy.init_weights(model)
         if self.hparams.init_from:
-            strategy.load_pretrained(model, self.hparams.init_from)
+            strategy.load_pretrained(
+                model, partial(self.spec.hf.load_hf_weights, path=self.hparams.init_from)
+            )
         self.model = strategy.parallelize(
             model,
             compile=self.hparams.compile,
@@ -99,13 +110,14 @@ class LlamaLM(L.LightningModule):
         """`documents`: the `position_ids` and `document_ids` of document-masked packed batches."""
         return self.model(input_ids, attention_mask, **documents)
 
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Mean cross-entropy of the batch's labels (-100 ignored) under the model."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self.parallelism.compute_loss(self, batch)
         # Reading the loss waits for the GPU, so check on logging steps only (every step on CPU).
         check = self.device.type == "cpu" or self.global_step % self.trainer.log_every_n_steps == 0
         if check and not torch.isfinite(loss):
@@ -144,7 +156,7 @@ class LlamaLM(L.LightningModule):
                 group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss = self._loss(batch)
+        loss = self.parallelism.compute_loss(self, batch)
         self.val_loss.update(loss, weight=(batch["labels"] != -100).sum())
 
     def on_validation_epoch_end(self) -> None:

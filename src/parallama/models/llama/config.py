@@ -57,6 +57,10 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def tied_parameters(self) -> dict[str, str]:
+        """Parameters that are another one (name -> the name stored): the output head with tied embeddings."""
+        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
+
     def to_hf_dict(self) -> dict:
         """Fields for a HF ``config.json``; callers add bos/eos token ids."""
         d = {k: v for k, v in asdict(self).items() if v is not None}  # rope_scaling=None: default rope

@@ -1,9 +1,13 @@
-"""A Llama-style decoder, read top to bottom: rope, attention, MLP, blocks, the model, KV cache and sampling.
-Its hyperparameters are `model_config.LlamaConfig`; the attention masks it takes are built in `masks`.
+"""A Llama-style decoder, read top to bottom: rope, KV cache, attention, MLP, blocks, the model.
+Its hyperparameters are `config.LlamaConfig`; the attention masks it takes are built in `masks`; sampling is
+`models.generation`.
 
 Parameter names follow Hugging Face's ``LlamaForCausalLM`` so that checkpoints map 1:1 (HF keys
-are ours with a ``model.`` prefix, except ``lm_head``). Parallelism (FSDP, compile, activation
-checkpointing) is applied from outside, per ``DecoderLayer``; nothing here knows about it.
+are ours with a ``model.`` prefix, except ``lm_head``). Parallelism is applied from outside (parallelize.py),
+per ``DecoderLayer``; nothing here knows about it, but nothing stands in its way either: layers are keyed by
+their index (a pipeline stage keeps its own, under their own names), a stage without the embedding, the final
+norm or the head passes hidden states through, and attention takes whatever share of the heads its
+projections hold (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class KVCache:
     """Keys/values of one layer, (B, n_kv_heads, max_len, head_dim), indexed by absolute position so
     that prefill and single-token decode are the same code path.
 
-    Without a dtype the buffers are allocated at the first update in the dtype the layer computes in,
-    which differs from the weights' under autocast or FSDP mixed precision (fp32 shards, bf16 compute)."""
+    Without a dtype the buffers are allocated at the first update, in the dtype the layer computes in (which
+    differs from the weights' under autocast or FSDP mixed precision: fp32 shards, bf16 compute) and with the
+    heads the layer computes (a tensor-parallel rank holds 1/tp of them)."""
 
     def __init__(self, shape: tuple[int, int, int, int], device=None, dtype=None):
         self.shape, self.max_len = shape, shape[2]
@@ -81,7 +86,8 @@ class KVCache:
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.k is None:
-            self.k, self.v = k.new_zeros(self.shape), v.new_zeros(self.shape)
+            shape = (self.shape[0], k.shape[1], *self.shape[2:])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         self.k[:, :, input_pos] = k.to(self.k.dtype)
         self.v[:, :, input_pos] = v.to(self.v.dtype)
         return self.k, self.v
@@ -150,7 +156,8 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        # Keyed by index, not a list: a pipeline stage that keeps layers 4-7 still names them layers.4-7.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
@@ -165,7 +172,7 @@ class Llama(nn.Module):
         device, then calls ``to_empty()`` and this. Weights are N(0, initializer_range), but the
         projections into the residual stream (o_proj, down_proj) divide the std by
         sqrt(2 * num_hidden_layers), as GPT-2 does, so residual variance does not grow with depth."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight  # to_empty() unties plain tensors
         self.rotary_emb.init_buffers()
         std = self.config.initializer_range
@@ -181,7 +188,8 @@ class Llama(nn.Module):
         """One empty cache per layer, on the model's device; by default in the dtype attention computes in."""
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
-        return [KVCache(shape, device or self.embed_tokens.weight.device, dtype) for _ in self.layers]
+        device = device or self.rotary_emb.cos.device
+        return [KVCache(shape, device, dtype) for _ in self.layers]
 
     def forward(
         self,
@@ -193,7 +201,9 @@ class Llama(nn.Module):
         input_pos=None,
         kv_cache=None,
     ) -> Tensor:
-        """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T).
+        """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T). A pipeline stage without
+        the embedding takes the previous stage's hidden states (B, T, hidden) instead, and one without the head
+        returns its own.
 
         - No mask: causal attention over the whole row (packed batches, fastest path).
         - ``attention_mask`` (B, T), 1 = token, 0 = padding: positions are still 0..T-1, so
@@ -226,62 +236,14 @@ class Llama(nn.Module):
         else:
             mask = None if attention_mask is None else masks.padding_mask(attention_mask)
         rope = self.rotary_emb
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.
         if position_ids is not None:  # (B, T) -> (B, 1, T, head_dim), broadcast over heads
             cos, sin = (table[position_ids].unsqueeze(1).to(h.dtype) for table in (rope.cos, rope.sin))
         else:
             rows = slice(0, T) if input_pos is None else input_pos
             cos, sin = rope.cos[rows].to(h.dtype), rope.sin[rows].to(h.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
-        return self.lm_head(self.norm(h))
-
-
-def sample(logits: Tensor, temperature=1.0, top_k=None, top_p=None, generator=None) -> Tensor:
-    """Next token ids (B,) from last-position logits (B, V); temperature 0 is greedy."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the mass before it reaches top_p; the top token always stays.
-        sorted_logits = sorted_logits.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
-
-
-@torch.inference_mode()
-def generate(
-    model, input_ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_id=None, generator=None
-) -> Tensor:
-    """Prompt + continuation, a LongTensor (B, T + n), n <= max_new_tokens. Prompts must have equal
-    length (no padding). A row that emitted ``eos_id`` repeats it; all rows done -> stop early."""
-    B, T = input_ids.shape
-    limit = model.config.max_position_embeddings
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if not 0 <= max_new_tokens <= limit - T:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be in [0, {limit} - prompt length {T}]")
-    device = input_ids.device
-    cache = model.new_kv_cache(B, T + max_new_tokens, device=device)
-    logits = model(input_ids, input_pos=torch.arange(T, device=device), kv_cache=cache)[:, -1]
-    out, done = [input_ids], torch.zeros(B, dtype=torch.bool, device=device)
-    for i in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, top_p, generator)
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
-        out.append(token[:, None])
-        if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
-            break
-        logits = model(token[:, None], input_pos=torch.tensor([T + i], device=device), kv_cache=cache)[:, -1]
-    return torch.cat(out, dim=1)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h

@@ -21,13 +21,13 @@ MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def apply_ac(model: Llama) -> None:
     """Activation checkpointing: each block recomputes its activations in backward instead of storing them."""
-    for block in model.layers:
+    for block in model.layers.values():
         _checkpoint_forward(block)
 
 
 def apply_compile(model: Llama) -> None:
     """torch.compile each block, in place: parameter names (and so checkpoints) stay the same."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile()
 
 
@@ -53,7 +53,7 @@ def apply_fsdp(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         # The last block's parameters are needed again right away by backward: keep them gathered.
         reshard = reshard_after_forward and i < len(model.layers) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)

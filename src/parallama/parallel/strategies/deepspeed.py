@@ -84,9 +84,9 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
             if zero3:
                 model.init_weights()  # the constructor's init wrote into empty shards: redo it, gathered
 
-    def load_pretrained(self, model, init_from: str) -> None:
+    def load_pretrained(self, model, load) -> None:
         with self._gathered(model):
-            super().load_pretrained(model, init_from)
+            super().load_pretrained(model, load)
 
     @staticmethod
     def param_shape(param: torch.nn.Parameter) -> torch.Size:

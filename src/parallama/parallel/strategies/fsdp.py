@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from parallama.errors import ConfigError
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.errors import ConfigError
 from parallama.parallel.base import MemoryProfile, Parallelism
 from parallama.runtime import compat
 
@@ -89,10 +89,10 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     def model_init_context(self):
         return torch.device("meta") if self.meta_init else super().model_init_context()
 
-    def load_pretrained(self, model, init_from: str) -> None:
+    def load_pretrained(self, model, load) -> None:
         if self.meta_init:
             raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
-        super().load_pretrained(model, init_from)
+        super().load_pretrained(model, load)
 
     def parallelize(self, model, *, compile: bool, activation_checkpointing: bool):
         from parallama.models.llama.parallelize import apply_fsdp

@@ -123,7 +123,7 @@ class PeakMemory(L.Callback):
 
 def strategy_profiles() -> dict[str, list[str]]:
     """name -> parallama-train overrides: every declared memory profile, as parallama-plan lists them."""
-    from parallama.cli.plan import profiles
+    from parallama.parallel.plan import profiles
 
     return {name: p.overrides.split() for name, p in profiles().items()}
 
@@ -155,8 +155,8 @@ def strategy_peak(name: str, overrides: list[str], args) -> int | None:
 
 def plan_estimates(cfg: dict, seq_len: int, batch: int) -> dict[str, int]:
     """`parallama.cli.plan.estimate` totals (bytes) of every profile, in the runs' bf16-mixed."""
-    from parallama.cli.plan import estimate
     from parallama.models.llama.config import LlamaConfig
+    from parallama.parallel.plan import estimate
 
     plans = estimate(
         LlamaConfig(**cfg),

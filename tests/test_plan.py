@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from conftest import run_cli
 
-from parallama.cli.plan import command, compose, estimate, main, plan, profiles
+from parallama.cli.plan import command, compose, main, plan
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
 from parallama.models.llama.parallelize import apply_ac
+from parallama.parallel.plan import estimate, profiles
 
 STRATEGIES = profiles()
 
@@ -232,7 +233,7 @@ def test_saved_activation_bytes_match_the_estimate_in_fp32():
 def test_a_new_strategy_class_appears_in_the_plan_with_no_other_file_touched(tmp_path):
     """Adding a strategy = one class + one config file: parallama-plan reads the class's own declaration."""
     (tmp_path / "my_strategies.py").write_text(
-        "from parallama.parallel import MemoryProfile\n"
+        "from parallama.parallel.plan import MemoryProfile\n"
         "from parallama.parallel.strategies.ddp import DDP\n\n\n"
         "class Halved(DDP):\n"
         "    name = 'halved'\n"

@@ -1,147 +1,27 @@
-"""`parallama-plan`: per-GPU memory of every strategy for a training config, and which one to use.
-
-Bytes per parameter (the table in docs/strategies.md): fp32 params 4 + grads 4 + AdamW moments 8 everywhere;
-in mixed precision DeepSpeed holds 2 + 2 + 12 (the ZeRO paper's), while ddp/ddp_sharded (Lightning autocast)
-hold 4 + 4 + 8 plus bf16 weight copies, and FSDP is planned with its own bf16 policy (4 + 4 + 8 sharded,
-bf16 gathered blocks). Activations: Korthikanti et al. adapted to a Llama block (`activation_bytes`).
-"""
+"""`parallama-plan`: per-GPU memory of every strategy for a training config, and which one to use (the memory
+model is parallel/plan.py)."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
 from parallama.models import model_spec
-from parallama.parallel import GUIDE, MemoryProfile, memory_profiles
-
-GIB = 2**30
-OVERHEAD_GIB = 1.5
-HEADROOM = 0.9  # a plan fits when its total is at most 90% of the GPU's memory
-MIXED, FP32 = ("bf16-mixed", "16-mixed"), ("32-true", "32")
-
-
-def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
-    """What every strategy of the `strategy` group declares (parallama.parallel), in the guide's order."""
-    return memory_profiles([*(conf_dirs or []), CONF_DIR])
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Peak bytes on one GPU."""
-
-    params: int
-    grads: int
-    optim: int
-    gathered: int  # transient unsharded/low-precision parameter copies
-    activations: int
-    overhead: int = int(OVERHEAD_GIB * GIB)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optim + self.gathered + self.activations + self.overhead
-
-    def fits(self, gpu_memory_gb: float) -> bool:
-        return self.total <= HEADROOM * gpu_memory_gb * GIB
-
-
-def state_bytes(precision: str, engine: str) -> tuple[int, int, int, int]:
-    """Bytes per parameter: params, grads, optimizer state, compute copy (0: computes on the params)."""
-    if precision in FP32:
-        return 4, 4, 8, 0
-    if precision not in MIXED:
-        raise ConfigError(
-            f"trainer.precision={precision} is not planned; use one of {', '.join(MIXED + FP32)}"
-        )
-    return {"autocast": (4, 4, 8, 2), "deepspeed": (2, 2, 12, 0), "fsdp": (4, 4, 8, 2)}[engine]
-
-
-def activation_bytes(c, tokens: int, e: int, e_res: int, checkpointing: bool) -> int:
-    """Saved activations of one micro-batch of `tokens` tokens; e / e_res: bytes of a compute / residual element.
-
-    Per layer and token, Korthikanti et al.'s 34h (GPT, 16-bit, with dropout) becomes, for a Llama block with
-    fused (flash) attention, no dropout and a SwiGLU MLP of width i:
-    2 norm inputs (residual stream) + q/k/v-projection input h, rotated q h and k kv, v kv, attention output
-    h, MLP input h, gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
-    log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
-    The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
-    """
-    h, kv, i, v = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size
-    block = 2 * h * e_res + (4 * h + 2 * kv + 4 * i) * e
-    layers = c.num_hidden_layers * (h * e_res) + block if checkpointing else c.num_hidden_layers * block
-    head = h * (e_res + e) + v * (e + 4 + (4 if e != 4 else 0))
-    return tokens * (layers + head)
-
-
-def _gathered_params(c, how: str) -> int:
-    """Parameters unsharded at once: all, or the root (embedding, lm_head, final norm) plus two blocks."""
-    if how == "all":
-        return c.num_params()
-    layer = replace(c, num_hidden_layers=2).num_params() - replace(c, num_hidden_layers=1).num_params()
-    return c.num_params() - max(c.num_hidden_layers - 2, 0) * layer
-
-
-def estimate(
-    config,
-    *,
-    world_size: int,
-    seq_len: int,
-    micro_batch: int,
-    precision: str,
-    activation_checkpointing: bool,
-    strategies: dict[str, MemoryProfile] | None = None,
-) -> dict[str, Estimate]:
-    """Per-GPU peak memory of every strategy profile (see the module docstring for the accounting)."""
-    n, psi = world_size, config.num_params()
-    out = {}
-    for name, s in (strategies or profiles()).items():
-        per = state_bytes(precision, s.engine)
-        states = [
-            0 if k in s.offload else -(-psi * b // n) if k in s.shard else psi * b
-            for b, k in zip(per[:3], "pgo", strict=True)
-        ]
-        if s.gathered == "none":
-            gathered = psi * per[3]  # autocast's bf16 copies (0 in fp32 and for DeepSpeed)
-        else:
-            gathered = _gathered_params(config, s.gathered) * (per[3] or per[0])
-        e = 4 if precision in FP32 else 2
-        e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
-        acts = activation_bytes(config, seq_len * micro_batch, e, e_res, activation_checkpointing)
-        out[name] = Estimate(*states, gathered=gathered, activations=acts)
-    return out
-
-
-WHY = {
-    "ddp": "a full replica fits: plain DDP is the simplest and fastest (ddp_spawn only where the script "
-    "cannot be re-run, e.g. notebooks: it is no memory saving)",
-    "sharded": "a full replica's model states do not fit; sharding the optimizer state (and gradients) does",
-    "fully sharded": "even ZeRO-1/2 does not fit; sharding the parameters too (ZeRO-3 / FSDP) does",
-    "offload": "nothing fits in GPU memory alone; CPU offload (the last resort: slower) does",
-}
-
-
-def recommend(
-    plans: dict[bool, dict[str, Estimate]], gpu_memory_gb: float, strategies: dict[str, MemoryProfile]
-) -> tuple[str, bool, str] | None:
-    """First (strategy, activation_checkpointing, why) in the guide's order that fits; `plans` holds the
-    estimates without (unless the user asked for it) and with activation checkpointing."""
-    steps = [(stage, c) for c in (False, True) for stage in GUIDE[:3]] + [
-        ("offload", False),
-        ("offload", True),
-    ]
-    for stage, c in steps:
-        for name in [n for n, p in strategies.items() if p.guide == stage]:
-            if c in plans and plans[c][name].fits(gpu_memory_gb):
-                more = (
-                    "; activations were the problem: with activation checkpointing"
-                    if c and False in plans
-                    else ""
-                )
-                return name, c, WHY[stage] + more
-    return None
+from parallama.parallel.dims import dims_of_config
+from parallama.parallel.plan import (
+    GIB,
+    HEADROOM,
+    MIXED,
+    OVERHEAD_GIB,
+    MemoryProfile,
+    estimate,
+    profiles,
+    recommend,
+)
 
 
 def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] | None = None) -> dict:
@@ -169,7 +49,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             f"trainer.devices={devices}: give the number of GPUs per node, e.g. trainer.devices=8"
         )
     shape = dict(
-        world_size=devices * cfg.trainer.num_nodes, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size
+        world_size=dims_of_config(cfg).dp_size, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size
     )
     plans = {
         c: estimate(config, precision=precision, activation_checkpointing=c, strategies=strategies, **shape)

@@ -229,20 +229,20 @@ def _check_strategy(cfg: DictConfig) -> None:
 
 
 def _resolve_global_batch(cfg: DictConfig) -> None:
-    """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the given world size."""
-    import torch
+    """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the run's data-parallel size
+    (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take)."""
+    from parallama.parallel.dims import dims_of_config
 
     global_batch = cfg.get("global_batch_size")
     if global_batch is None:
         return
-    devices = (
-        cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else max(1, torch.cuda.device_count())
-    )
-    per_step = cfg.data.batch_size * devices * cfg.trainer.num_nodes
+    dims = dims_of_config(cfg)
+    per_step = cfg.data.batch_size * dims.dp_size
     if global_batch % per_step:
+        of = "devices * nodes" if dims.dp_size == dims.world_size else "its data-parallel replicas"
         raise ConfigError(
-            f"global_batch_size={global_batch} is not a multiple of data.batch_size * devices * nodes "
-            f"= {cfg.data.batch_size} * {devices} * {cfg.trainer.num_nodes} = {per_step}"
+            f"global_batch_size={global_batch} is not a multiple of data.batch_size * data-parallel size "
+            f"({of}) = {cfg.data.batch_size} * {dims.dp_size} = {per_step}"
         )
     accumulate = cfg.trainer.accumulate_grad_batches
     if accumulate not in (1, global_batch // per_step):

@@ -1,15 +1,17 @@
 """What parallama asks of a strategy, in one class that every strategy of the `strategy` group mixes in.
 
 A strategy class declares:
-- `name` and `memory_profiles`: what parallama-plan estimates for it (see `MemoryProfile`);
-- `mesh_shape`: its device mesh, with named dimensions `dp_replicate`, `dp_shard` and `tp` (tensor parallel,
-  1 for now). The data-parallel rank and size (what the data module shards by, what tokens-seen and
-  throughput count) come from it, never from the world size;
-- `model_init_context` / `init_weights` / `parallelize`: how the model is built (meta device, ZeRO-3
-  partitioned) and parallelized (the `apply_*` functions of parallel/apply.py, with explicit arguments);
+- `name` and `memory_profiles`: what parallama-plan estimates for it (`parallel.plan.MemoryProfile`);
+- `layout()`: how its ranks split into the dimensions of `parallel.dims.ParallelDims`. The data-parallel rank
+  and size (what the data module shards by, what tokens-seen and throughput count) come from `dims`, never
+  from the world size;
+- `model_init_context` / `init_weights` / `parallelize_options`: how the model is built (meta device, ZeRO-3
+  partitioned) and what the model family's own plan (models/<family>/parallelize.py) applies to it;
+- `compute_loss` / `inference_model`: the loss of a batch and the model generation runs on, where the layout
+  needs more than a forward pass;
 - `make_optimizer`: the optimizer (DeepSpeed's CPU Adam when it offloads);
 - `checkpoint_format`, `loads_natively` and `load_universal`: its checkpoint, and how it resumes any other
-  strategy's (see parallel/universal.py).
+  strategy's (see checkpoint/universal.py).
 Adding a strategy = one such class + one conf/strategy/<name>.yaml whose `_target_` is the class.
 """
 
@@ -18,36 +20,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
+from parallama.parallel.dims import ParallelDims
+from parallama.parallel.options import ParallelizeOptions
 
 log = logging.getLogger("parallama")
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
-@dataclass(frozen=True)
-class MemoryProfile:
-    """Where one configuration of a strategy keeps model states, for parallama-plan.
-
-    `shard` (1/n each) and `offload` (to CPU) name them by letter: p(arams) g(rads) o(ptimizer state);
-    `gathered`: none, "working" (root + 2 blocks) or "all" parameters held unsharded at once. `engine`:
-    "autocast" (Lightning's mixed precision), "deepspeed" or "fsdp" (their own). `guide`: the step of the
-    guide in docs/strategies.md where it is tried (ddp, sharded, fully sharded, offload), in `order`.
-    """
-
-    name: str
-    overrides: str
-    engine: str
-    shard: str = ""
-    offload: str = ""
-    gathered: str = "none"
-    guide: str = "ddp"
-    order: int = 0
 
 
 class Parallelism:
@@ -55,35 +37,24 @@ class Parallelism:
 
     name: ClassVar[str]
     checkpoint_format: ClassVar[str] = "file"
-    memory_profiles: ClassVar[tuple[MemoryProfile, ...]] = ()
+    memory_profiles: ClassVar[tuple] = ()  # parallel.plan.MemoryProfile
     _universal_loaded = False
 
-    # --- device mesh ------------------------------------------------------------------------------------
+    # --- the device mesh --------------------------------------------------------------------------------
 
-    def mesh_shape(self) -> dict[str, int]:
-        """Sizes of MESH_DIMS, outermost first; their product is the world size. Default: replicas."""
-        return {"dp_replicate": self.world_size, "dp_shard": 1, "tp": 1}
-
-    @property
-    def data_parallel_size(self) -> int:
-        shape = self.mesh_shape()
-        return shape["dp_replicate"] * shape["dp_shard"]
+    def layout(self) -> dict[str, int]:
+        """This strategy's `ParallelDims.resolve` sizes (-1: the rest of the world). Default: replicas."""
+        return {"dp_replicate": -1, "dp_shard": 1}
 
     @property
-    def data_parallel_rank(self) -> int:
-        """The rank's coordinate on the flattened (dp_replicate, dp_shard) dimensions: tp is innermost."""
-        return self.global_rank // self.mesh_shape()["tp"]
+    def dims(self) -> ParallelDims:
+        return ParallelDims.resolve(self.world_size, **self.layout())
 
     @property
-    def device_mesh_named(self):
-        """torch's DeviceMesh with MESH_DIMS, built on first use (after the process group exists)."""
+    def mesh(self):
+        """torch's DeviceMesh over `dims`, built on first use (after the process group exists)."""
         if getattr(self, "_named_mesh", None) is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            shape = self.mesh_shape()
-            self._named_mesh = init_device_mesh(
-                self.root_device.type, tuple(shape[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
-            )
+            self._named_mesh = self.dims.build_mesh(self.root_device.type)
         return self._named_mesh
 
     # --- the model --------------------------------------------------------------------------------------
@@ -104,14 +75,17 @@ class Parallelism:
         """A parameter's logical shape (which decides its weight decay)."""
         return param.shape
 
-    def parallelize(self, model, *, compile: bool, activation_checkpointing: bool):
-        from parallama.models.llama.parallelize import apply_ac, apply_compile
+    def parallelize(self, model, plan: Callable, *, compile: bool, activation_checkpointing: bool):
+        """The model family's plan (`plan(model, options)`, models/<family>/parallelize.py) with this
+        strategy's options."""
+        options = self.parallelize_options(compile=compile, activation_checkpointing=activation_checkpointing)
+        return plan(model, options)
 
-        if activation_checkpointing:
-            apply_ac(model)
-        if compile:
-            apply_compile(model)
-        return model
+    def parallelize_options(self, *, compile: bool, activation_checkpointing: bool) -> ParallelizeOptions:
+        """What the model's plan applies. Default: nothing sharded here (DDP and DeepSpeed shard by themselves)."""
+        return ParallelizeOptions(
+            dims=self.dims, compile=compile, activation_checkpointing=activation_checkpointing
+        )
 
     def compute_loss(self, module, batch: dict) -> torch.Tensor:
         """The batch's loss, the same on every rank (`module.loss(batch)`: a forward pass and cross-entropy)."""
@@ -132,6 +106,7 @@ class Parallelism:
         """Stored in every checkpoint (`checkpoint["parallel"]`): who wrote it and how its optimizer state
         is numbered."""
         info = {"strategy": self.name, "world_size": self.world_size, "format": self.checkpoint_format}
+        info["dims"] = self.dims.sizes()
         optimizers = module.trainer.optimizers
         if self.checkpoint_format == "file" and optimizers:
             info["optimizer_keys"] = universal.names_in_group_order(optimizers[0], module)
@@ -186,9 +161,18 @@ class Parallelism:
             super().load_optimizer_state_dict(checkpoint)
 
 
+class OutsideATrainer(Parallelism):
+    """The defaults where no Lightning strategy runs (tests, notebooks, tools): one process, plain PyTorch."""
+
+    name = "none"
+    world_size, global_rank = 1, 0
+    root_device = torch.device("cpu")
+
+
 def data_parallel(trainer) -> tuple[int, int]:
     """(size, rank) of the data-parallel group: what the data module shards by and tokens-seen counts."""
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
     if isinstance(strategy, Parallelism):
-        return strategy.data_parallel_size, strategy.data_parallel_rank
+        dims = strategy.dims
+        return dims.dp_size, dims.dp_rank(strategy.global_rank)
     return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)

@@ -12,34 +12,38 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 
+from parallama.parallel import data_parallel
 from parallama.runtime import compat
 from parallama.runtime.faults import Preempted
 from parallama.training.module import ends_the_run
 
 
-def _samples(batch: dict) -> int:
-    return batch["input_ids"].size(0)
-
-
-def _tokens(batch: dict) -> int:
-    return batch["input_ids"].numel()
-
-
 class TokenThroughputMonitor(ThroughputMonitor):
     """Lightning's ThroughputMonitor for token batches: logs tokens/s, and FLOP/s + MFU on known GPUs.
 
-    FLOPs per batch come from the model config (6N + attention, see `LlamaConfig.flops_per_token`).
+    FLOPs per batch come from the model config (6N + attention, see `LlamaConfig.flops_per_token`). Lightning
+    counts every rank's batch as its own; ranks that share a batch (tensor, context or pipeline parallel ones)
+    each count their share of it (`ParallelDims.batch_share`), so the totals count data-parallel replicas.
     """
 
     def __init__(self, window_size: int = 50, **kwargs) -> None:
-        super().__init__(batch_size_fn=_samples, length_fn=_tokens, window_size=window_size, **kwargs)
+        super().__init__(
+            batch_size_fn=self.samples_of, length_fn=self.tokens_of, window_size=window_size, **kwargs
+        )
+        self.share = 1.0
+
+    def samples_of(self, batch: dict) -> float:
+        return batch["input_ids"].size(0) * self.share
+
+    def tokens_of(self, batch: dict) -> float:
+        return batch["input_ids"].numel() * self.share
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self.share = data_parallel(trainer)[0] / trainer.world_size
         data = trainer.datamodule
-        pl_module.flops_per_batch = (
-            pl_module.config.flops_per_token(data.seq_len) * data.seq_len * data.batch_size
-        )
+        tokens = data.seq_len * data.batch_size
+        pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * tokens * self.share
 
 
 class PreemptionCheckpoint(Callback):

@@ -16,6 +16,7 @@ from parallama.checkpoint.formats import INFO_KEY
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.models import model_spec
 from parallama.parallel import Parallelism, data_parallel
+from parallama.parallel.base import OutsideATrainer
 
 log = logging.getLogger("parallama")
 
@@ -83,7 +84,7 @@ class CausalLM(L.LightningModule):
             strategy = self.trainer.strategy
         except RuntimeError:  # not attached to a Trainer
             strategy = None
-        return strategy if isinstance(strategy, Parallelism) else Parallelism()
+        return strategy if isinstance(strategy, Parallelism) else OutsideATrainer()
 
     def configure_model(self) -> None:
         """Build (and shard) the model here, as the strategy says (parallel/): strategies wrap it as it is
@@ -100,6 +101,7 @@ class CausalLM(L.LightningModule):
             )
         self.model = strategy.parallelize(
             model,
+            self.spec.parallelize,
             compile=self.hparams.compile,
             activation_checkpointing=self.hparams.activation_checkpointing,
         )
@@ -168,19 +170,15 @@ class CausalLM(L.LightningModule):
     def configure_optimizers(self):
         opt = dict(self.hparams.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        strategy = self.trainer.strategy
-        shape = strategy.param_shape if isinstance(strategy, Parallelism) else Parallelism.param_shape
-        decay = [p for p in params if len(shape(p)) >= 2]  # matrices decay, norm weights do not
-        no_decay = [p for p in params if len(shape(p)) < 2]
+        strategy = self.parallelism
+        decay = [p for p in params if len(strategy.param_shape(p)) >= 2]  # matrices decay, norm weights do not
+        no_decay = [p for p in params if len(strategy.param_shape(p)) < 2]
         groups = [
             {"params": decay, "weight_decay": opt["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
         kwargs = {"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"]}
-        if isinstance(strategy, Parallelism):
-            optimizer = strategy.make_optimizer(groups, fused=opt.get("fused"), **kwargs)
-        else:
-            optimizer = torch.optim.AdamW(groups, fused=opt.get("fused"), **kwargs)
+        optimizer = strategy.make_optimizer(groups, fused=opt.get("fused"), **kwargs)
 
         sched = self.hparams.scheduler
         total = int(self.trainer.estimated_stepping_batches)

@@ -1,9 +1,11 @@
-"""The functions that parallelize a model, with explicit arguments (as torchtitan's `apply_*`).
+"""The Llama's parallelize plan (torchtitan's `parallelize_llama`): `parallelize(model, options)` applies what
+the strategy asks (`parallel.ParallelizeOptions`) in a fixed order, each step an `apply_*` function with explicit
+arguments.
 
 The model in model.py stays plain PyTorch; every decoder block is the unit of checkpointing, compilation and
-sharding. A strategy class (parallel/*.py) calls them in this order from its `parallelize`: checkpointing wraps
-the block's forward, compile traces the block, FSDP shards the block and finally the root (embedding, final
-norm, lm_head). No Lightning here: bench/gpu.py and tests call them on a bare model.
+sharding: checkpointing wraps the block's forward, compile traces the block, FSDP shards the block and finally
+the root (embedding, final norm, lm_head). No Lightning here: bench/gpu.py and tests call the functions on a
+bare model.
 """
 
 from __future__ import annotations
@@ -15,8 +17,27 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallama.models.llama.model import Llama
+from parallama.parallel.options import ParallelizeOptions
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parallelize(model: Llama, options: ParallelizeOptions) -> Llama:
+    """Activation checkpointing, then compile, then FSDP (sharding wraps what runs)."""
+    if options.activation_checkpointing:
+        apply_ac(model)
+    if options.compile:
+        apply_compile(model)
+    if options.fsdp is not None:
+        fsdp = options.fsdp
+        apply_fsdp(
+            model,
+            options.mesh["dp_shard"],
+            reshard_after_forward=fsdp.reshard_after_forward,
+            mixed_precision=fsdp.mixed_precision,
+            cpu_offload=fsdp.cpu_offload,
+        )
+    return model
 
 
 def apply_ac(model: Llama) -> None:

@@ -14,7 +14,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from parallama.parallel.base import MemoryProfile, Parallelism
+from parallama.parallel.base import Parallelism
+from parallama.parallel.dims import processes_per_node
+from parallama.parallel.plan import MemoryProfile
 
 
 class SingleDevice(Parallelism, SingleDeviceStrategy):
@@ -57,8 +59,8 @@ class ShardedDDP(DDP):
         MemoryProfile("ddp_sharded", "strategy=ddp_sharded", "autocast", "o", guide="sharded"),
     )
 
-    def mesh_shape(self) -> dict[str, int]:
-        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+    def layout(self) -> dict[str, int]:
+        return {"dp_shard": -1}  # the optimizer state's shards
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
@@ -77,11 +79,4 @@ class ShardedDDP(DDP):
 
 def auto(devices="auto", num_nodes: int = 1, accelerator: str = "auto") -> Parallelism:
     """`strategy=auto`: SingleDevice for one device in all, else DDP (what Lightning's `auto` picks)."""
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, int) and devices > 0:
-        count = devices
-    else:  # "auto" or -1: every GPU, or one CPU process (Lightning's CPU default)
-        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-        count = max(torch.cuda.device_count(), 1) if gpu else 1
-    return SingleDevice() if count * num_nodes == 1 else DDP()
+    return SingleDevice() if processes_per_node(devices, accelerator) * num_nodes == 1 else DDP()

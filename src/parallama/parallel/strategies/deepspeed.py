@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
-from parallama.parallel.base import MemoryProfile, Parallelism
+from parallama.parallel.base import Parallelism
+from parallama.parallel.plan import MemoryProfile
 from parallama.runtime import compat
 
 log = logging.getLogger("parallama")
@@ -49,8 +50,8 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         ),
     )
 
-    def mesh_shape(self) -> dict[str, int]:
-        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+    def layout(self) -> dict[str, int]:
+        return {"dp_shard": -1}
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":

@@ -6,6 +6,7 @@ is `apply_fsdp` (parallel/apply.py) over the mesh's `dp_shard` dimension.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -13,7 +14,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
 from parallama.errors import ConfigError
-from parallama.parallel.base import MemoryProfile, Parallelism
+from parallama.parallel.base import Parallelism
+from parallama.parallel.options import FSDPOptions, ParallelizeOptions
+from parallama.parallel.plan import MemoryProfile
 from parallama.runtime import compat
 
 FSDP = "strategy=fsdp"
@@ -77,8 +80,8 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     def checkpoint_format(self) -> str:
         return "dcp" if self._save_distributed_checkpoint else "file"
 
-    def mesh_shape(self) -> dict[str, int]:
-        return {"dp_replicate": 1, "dp_shard": self.world_size, "tp": 1}
+    def layout(self) -> dict[str, int]:
+        return {"dp_shard": -1}
 
     def setup_environment(self) -> None:
         compat.use_all_ranks_for_data_parallel(self)
@@ -94,17 +97,12 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
             raise ConfigError("init_from needs the full model in host memory: set strategy.meta_init=false")
         super().load_pretrained(model, load)
 
-    def parallelize(self, model, *, compile: bool, activation_checkpointing: bool):
-        from parallama.models.llama.parallelize import apply_fsdp
+    def parallelize_options(self, **kwargs) -> ParallelizeOptions:
+        fsdp = FSDPOptions(self.reshard_after_forward, self.mixed_precision, self.cpu_offload)
+        return replace(super().parallelize_options(**kwargs), mesh=self.mesh, fsdp=fsdp)
 
-        super().parallelize(model, compile=compile, activation_checkpointing=activation_checkpointing)
-        apply_fsdp(
-            model,
-            self.device_mesh_named["dp_shard"],
-            reshard_after_forward=self.reshard_after_forward,
-            mixed_precision=self.mixed_precision,
-            cpu_offload=self.cpu_offload,
-        )
+    def parallelize(self, model, plan, **kwargs):
+        model = super().parallelize(model, plan, **kwargs)
         if self.meta_init:
             model.to_empty(device=self.root_device)
             model.init_weights()

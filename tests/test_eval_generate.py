@@ -59,14 +59,14 @@ def test_sampling_depends_on_the_seed_only(ckpt):
 @pytest.mark.parametrize(
     ("main", "argv", "needle"),
     [
-        (eval_main, ["max_batches=1"], "ckpt_path= is required"),
+        (eval_main, ["max_batches=1"], "ckpt_path is required but not set"),
         (eval_main, ["ckpt_path={ckpt}", "data.bogus=1"], "unknown or invalid key 'data.bogus'"),
         (
             eval_main,
             ["ckpt_path={ckpt}", "data.source=nope"],
             "data.source=nope is not a source; valid: embedded",
         ),
-        (eval_main, ["ckpt_path={ckpt}", "split=test"], "split=test is not valid"),
+        (eval_main, ["ckpt_path={ckpt}", "split=test"], "split='test' is not valid"),
         (generate_main, ["prompt=x"], "give exactly one of ckpt_path"),
         (
             eval_main,
@@ -118,11 +118,11 @@ def test_cli_errors(ckpt, main, argv, needle, capsys):
 @pytest.mark.parametrize(
     ("main", "needles"),
     [
-        (export_main, ["parallama-export ckpt_path=<checkpoint> out_dir=<folder>", "out_dir=null"]),
+        (export_main, ["parallama-export ckpt_path=<checkpoint> out_dir=<folder>", "out_dir: ???"]),
         (eval_main, ["parallama-eval ckpt_path=<checkpoint>", "ckpt_path: ???", "max_batches: null"]),
-        (generate_main, ["parallama-generate (ckpt_path=<checkpoint>", "temperature=0.8", "prompt='The '"]),
+        (generate_main, ["parallama-generate (ckpt_path=<checkpoint>", "temperature: 0.8", "prompt: 'The '"]),
         (plan_main, ["parallama-plan [--config-dir DIR] [gpu_memory_gb=80]", "<parallama-train overrides>"]),
-        (convert_main, ["parallama-ckpt convert src=<checkpoint> out=<path>", "format='file'"]),
+        (convert_main, ["parallama-ckpt convert src=<checkpoint> out=<path>", "format: file"]),
     ],
 )
 @pytest.mark.parametrize("flag", ["--help", "-h"])

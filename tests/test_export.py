@@ -170,7 +170,7 @@ def test_bad_checkpoints(run, tmp_path):
             ["ckpt_path=x", "out_dir=y", "bogus=1"],
             "unknown or invalid key 'bogus'; valid keys: ckpt_path, out_dir",
         ),
-        (["ckpt_path=x"], "out_dir= is required"),
+        (["ckpt_path=x"], "out_dir is required but not set"),
         (["ckpt_path"], "'ckpt_path' is not key=value"),
         (
             ["ckpt_path=/nonexistent/last.ckpt", "out_dir=y"],

@@ -13,7 +13,7 @@ import csv
 import pytest
 from conftest import train
 
-from parallama.cli.export import export
+from parallama.cli.export import main as export
 
 CASES = {
     "fsdp_mixed_precision_bf16": ["strategy=fsdp", "strategy.mixed_precision=bf16", "logger=many"],

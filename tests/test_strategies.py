@@ -16,7 +16,7 @@ import torch
 from conftest import TINY, train
 from safetensors.torch import load_file
 
-from parallama.cli.export import export as export_hf
+from parallama.cli.export import main as export_hf
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = ["ddp", "ddp_spawn", "ddp_sharded", "deepspeed", "fsdp"]

@@ -1,138 +1,44 @@
 """`parallama-ckpt convert src=<checkpoint> out=<path> [format=file|dcp|deepspeed]`: any strategy's training
-checkpoint, written at any world size (a Lightning file, a DeepSpeed folder, a DCP folder), in another format,
-offline on CPU, with weights, AdamW moments, LR schedule, counters, data position and W&B run id.
-
-Training resumes from any of these formats under any strategy anyway (docs/strategies.md, "Changing strategy
-or GPU count mid-run"); converting makes a portable copy: one file for a small model, a DCP folder that
-reshards for FSDP, or the folder DeepSpeed itself writes at `devices` ranks with ZeRO `stage`, `offload` and
-`precision`, which `strategy=deepspeed` then loads natively at that world size. DeepSpeed's partitioning is its
-own, so that folder is written by DeepSpeed: `devices` processes (gloo) load the checkpoint and save it.
-
-Every process holds the full fp32 weights and moments (12 bytes per parameter) in host memory while it
-converts: a DeepSpeed folder for `devices` ranks needs `devices` times that on the machine that converts."""
+checkpoint in another format (checkpoint/convert.py). A Hydra app (conf/ckpt.yaml)."""
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-from pathlib import Path
+from omegaconf import DictConfig, OmegaConf
 
-from parallama.checkpoint import universal
-from parallama.checkpoint.formats import INFO_KEY, LIGHTNING_TENSORS
-from parallama.checkpoint.untrusted import verify_checkpoint
-from parallama.cli.keyvalue import parse_cli, run_cli, usage
+from parallama import CONF_DIR
+from parallama.cli import app
+from parallama.config.checks import Rule, check_values, show
 from parallama.errors import ConfigError
 
-DEFAULTS = {
-    "src": None,
-    "out": None,
-    "format": "file",
-    # format=deepspeed only: the run that will resume the folder natively
-    "devices": 1,
-    "stage": 2,
-    "offload": False,
-    "precision": "32-true",
-}
-FORMATS = ("file", "dcp", "deepspeed")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")  # as the Trainer names them
 DEEPSPEED_ONLY = ("devices", "stage", "offload", "precision")
 
 
-def convert(argv: list[str]) -> None:
-    argv = argv[1:] if argv[:1] == ["convert"] else argv
-    cfg = parse_cli(DEFAULTS, argv, required=("src", "out"))
-    if cfg.format not in FORMATS:
-        raise ConfigError(f"format={cfg.format} is not one of {', '.join(FORMATS)}")
-    if cfg.format != "deepspeed" and (
-        given := [a.split("=")[0] for a in argv if a.split("=")[0] in DEEPSPEED_ONLY]
-    ):
-        raise ConfigError(f"{given[0]}= applies to format=deepspeed only (format={cfg.format})")
-    if cfg.format == "deepspeed":
-        if cfg.stage not in (1, 2, 3):
-            raise ConfigError(f"stage={cfg.stage} is not a ZeRO stage (1, 2 or 3)")
-        if not (isinstance(cfg.devices, int) and cfg.devices > 0):
-            raise ConfigError(
-                f"devices={cfg.devices}: give the resuming run's number of GPUs (an integer > 0)"
-            )
-        if cfg.precision not in PRECISIONS:
-            raise ConfigError(f"precision={cfg.precision} is not one of {', '.join(PRECISIONS)}")
-    if "LOCAL_RANK" not in os.environ:  # not a rank that Lightning started for format=deepspeed
-        if Path(cfg.out).exists():
-            raise ConfigError(f"out={cfg.out} exists; give a new path")
-        verify_checkpoint(cfg.src)
-    state = universal.read(cfg.src)
-    if cfg.format == "deepspeed":
-        write_deepspeed(cfg, state)
-    else:
-        universal.write(state, cfg.out, cfg.format)
-    if "LOCAL_RANK" not in os.environ or os.environ["LOCAL_RANK"] == "0":
-        step = state.client.get("global_step", "?")
-        print(f"converted {cfg.src} (step {step}) to {cfg.out} ({cfg.format})")
-
-
-def write_deepspeed(cfg, state: universal.UniversalState) -> None:
-    """DeepSpeed writes the folder: Lightning starts `cfg.devices` ranks (re-running this command), each loads
-    the checkpoint through parallama's universal path into a ZeRO engine and saves it before any step."""
-    hparams = state.client.get("hyper_parameters")
-    if not hparams or "model" not in hparams:
+def check(cfg: DictConfig, hardware: bool = True) -> None:
+    check_values(cfg, {"format": Rule(str, choices=("file", "dcp", "deepspeed")), "offload": Rule(bool)})
+    if cfg.format != "deepspeed":
+        defaults = OmegaConf.load(CONF_DIR / "ckpt.yaml")
+        if given := [key for key in DEEPSPEED_ONLY if cfg[key] != defaults[key]]:
+            raise ConfigError(f"{given[0]}= applies to format=deepspeed only (format={cfg.format})")
+        return
+    if cfg.stage not in (1, 2, 3):
+        raise ConfigError(f"stage={show(cfg.stage)} is not a ZeRO stage (1, 2 or 3)")
+    if not (isinstance(cfg.devices, int) and not isinstance(cfg.devices, bool) and cfg.devices > 0):
         raise ConfigError(
-            f"src={cfg.src} holds no model hyper-parameters (not a parallama training checkpoint)"
+            f"devices={show(cfg.devices)}: give the resuming run's number of GPUs (an integer > 0)"
         )
-    if state.optimizer is None:
-        raise ConfigError(f"src={cfg.src} holds weights only; DeepSpeed's folder needs the optimizer state")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision} is not one of {', '.join(PRECISIONS)}")
 
-    import lightning as L
-    import torch
 
-    from parallama.parallel.strategies.deepspeed import DeepSpeed
-    from parallama.runtime.launch import use_private_torch_extensions
-    from parallama.training.module import CausalLM
+def convert(cfg: DictConfig) -> None:
+    from parallama.checkpoint.convert import convert
 
-    use_private_torch_extensions()
-    # This stand-in run has none of the source run's callbacks or validation data, and needs none.
-    warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided")
-    warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`")
-
-    class SaveBeforeTheFirstStep(L.Callback):
-        """Save as soon as training would start, with the source's Lightning state (loops, callbacks' state, LR
-        schedulers, data position, W&B run id) in place of this stand-in run's; then stop."""
-
-        def on_train_start(self, trainer, pl_module) -> None:
-            trainer.save_checkpoint(cfg.out)
-            trainer.should_stop = True
-
-        def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-            for key, value in state.client.items():
-                if key not in (*LIGHTNING_TENSORS, INFO_KEY):
-                    checkpoint[key] = value  # the module's hook then records the new writer (INFO_KEY)
-
-    module = CausalLM(**{**hparams, "compile": False, "init_from": None})
-    strategy = DeepSpeed(
-        stage=cfg.stage,
-        offload_optimizer=cfg.offload,
-        offload_parameters=cfg.offload and cfg.stage == 3,
-        logging_batch_size_per_gpu=1,
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=cfg.devices,
-        strategy=strategy,
-        precision=cfg.precision,
-        max_steps=2**31 - 1,  # only sizes the LR schedule built here; the checkpoint keeps its own
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[SaveBeforeTheFirstStep()],
-    )
-    batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.zeros(1, 2, dtype=torch.long)}
-    trainer.fit(module, train_dataloaders=[batch], ckpt_path=str(Path(cfg.src).resolve()))
+    convert(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(convert, sys.argv[1:] if argv is None else argv, usage(__doc__, DEFAULTS))
+    app.run("ckpt", convert, argv, check=check, subcommand="convert", list_keys=True)
 
 
 if __name__ == "__main__":

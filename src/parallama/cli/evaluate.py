@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import hydra
@@ -23,31 +22,39 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.checkpoint.read import load_checkpoint, load_state_into, run_config, run_config_path
+from parallama.cli import app
+from parallama.config.checks import Rule, check_values
 from parallama.errors import ConfigError
 
 DATA_CONF = CONF_DIR / "data"
-TOP_KEYS = "ckpt_path, split, max_batches, json, device, seed, data.*"
-TARGETS = {  # what parallama-eval instantiates: the data module, its sources and tokenizers
-    f"parallama.data.{name}"
-    for name in ("TextDataModule", "sources.embedded", "sources.files", "sources.hub")
-    + ("tokenizer.byte_level", "tokenizer.train_bpe", "tokenizer.from_pretrained")
-}
 
 
-def check_targets(node, where: str, key: str = "data") -> None:
+def allowed_targets() -> set[str]:
+    """What parallama-eval instantiates from a run's config: the `_target_`s of the shipped data configs (the
+    data module, every data/source and every tokenizer), so a new source's config file extends it by itself."""
+    files = [
+        DATA_CONF / "default.yaml",
+        *DATA_CONF.glob("source/*.yaml"),
+        *(CONF_DIR / "tokenizer").glob("*.yaml"),
+    ]
+    return {target for f in files if (target := OmegaConf.load(f).get("_target_"))}
+
+
+def check_targets(node, where: str, key: str = "data", allowed: set[str] | None = None) -> None:
     """Refuse any `_target_` that is not one of parallama's data classes (Hydra would import and call it)."""
+    allowed = allowed_targets() if allowed is None else allowed
     if isinstance(node, dict):
         target = node.get("_target_")
-        if target is not None and target not in TARGETS:
+        if target is not None and target not in allowed:
             raise ConfigError(
                 f"{where} has {key}._target_={target}, which parallama-eval does not instantiate; "
-                f"allowed: {', '.join(sorted(TARGETS))}"
+                f"allowed: {', '.join(sorted(allowed))}"
             )
         for k, v in node.items():
-            check_targets(v, where, f"{key}.{k}")
+            check_targets(v, where, f"{key}.{k}", allowed)
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            check_targets(v, where, f"{key}.{i}")
+            check_targets(v, where, f"{key}.{i}", allowed)
 
 
 def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -75,8 +82,6 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     """`overrides`: the command line's, so that the `data.*` ones apply on top of the run's own data."""
-    if cfg.split not in ("val", "train"):
-        raise ConfigError(f"split={cfg.split} is not valid; use val or train")
     data = data_config(cfg, overrides)
     ckpt = load_checkpoint(cfg.ckpt_path)
     if ckpt.tokenizer_json is not None:  # a stable file name keeps the tokenized-corpus cache key stable
@@ -133,44 +138,21 @@ def source_alias(argv: list[str]) -> list[str]:
     return args
 
 
-def preflight(argv: list[str]) -> None:
-    """Compose as Hydra will, so that a typo is one line (Hydra's own flags such as --help are left to it)."""
-    from hydra import initialize_config_dir
-
-    from parallama.config.compose import compose_job
-
-    if any(arg.startswith("-") for arg in argv):
-        return
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose_job("eval", argv, valid_keys=TOP_KEYS)
-    if missing := sorted(OmegaConf.missing_keys(cfg)):
-        raise ConfigError(f"{missing[0]}= is required: add {missing[0]}=<value>")
+def check(cfg: DictConfig, hardware: bool = True) -> None:
+    check_values(
+        cfg, {"split": Rule(str, choices=("val", "train")), "max_batches": Rule(int, 1, allow=(None,))}
+    )
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="eval", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> dict:
+def _task(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
-    try:
-        return evaluate(cfg, list(HydraConfig.get().overrides.task))
-    except (ValueError, FileNotFoundError) as err:  # ConfigError and the model's own checks
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return evaluate(cfg, list(HydraConfig.get().overrides.task))
 
 
 def main(argv: list[str] | None = None) -> None:
     """The console script; `argv` (instead of sys.argv) lets tests run it in-process."""
-    try:
-        args = source_alias(sys.argv[1:] if argv is None else argv)
-        preflight(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    saved, sys.argv = sys.argv, [sys.argv[0], *args]
-    try:
-        _hydra_main()
-    finally:
-        sys.argv = saved
+    app.run("eval", _task, argv, check=check, rewrite=source_alias, list_keys=True)
 
 
 if __name__ == "__main__":

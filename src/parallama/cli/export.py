@@ -1,16 +1,16 @@
-"""`parallama-export ckpt_path=<checkpoint> out_dir=<folder>`: any strategy's checkpoint -> a Hugging Face
-folder of the model's family (config.json, model.safetensors, tokenizer files) for transformers, vLLM, llama.cpp, ..."""
+"""`parallama-export ckpt_path=<checkpoint> out_dir=<folder>`: any strategy's checkpoint -> a Hugging Face folder
+of its model family (config.json, model.safetensors, tokenizer files) for transformers, vLLM, llama.cpp, ...
+A Hydra app (conf/export.yaml)."""
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
+
 from parallama.checkpoint.read import load_checkpoint
-from parallama.cli.keyvalue import parse_cli, run_cli, usage
-
-DEFAULTS = {"ckpt_path": None, "out_dir": None}
+from parallama.cli import app
 
 
-def export(argv: list[str] | None = None) -> None:
-    cfg = parse_cli(DEFAULTS, argv, required=("ckpt_path", "out_dir"))
+def export(cfg: DictConfig) -> None:
     ckpt = load_checkpoint(cfg.ckpt_path)
     ckpt.spec.hf.save_hf_folder(cfg.out_dir, ckpt.state_dict, ckpt.config, ckpt.tokenizer_json)
     note = "" if ckpt.tokenizer_json else " (no tokenizer: the checkpoint predates embedded tokenizers)"
@@ -18,7 +18,7 @@ def export(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(export, argv, usage(__doc__, DEFAULTS))
+    app.run("export", export, argv, list_keys=True)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,39 @@
 """`parallama-generate (ckpt_path=<checkpoint> | model_dir=<exported HF folder>) prompt="..." [max_new_tokens=N]
 [temperature=T] [top_k=K] [top_p=P] [seed=S]`: sample a continuation (KV cache, stops at end of text).
-temperature=0 is greedy, hence deterministic."""
+temperature=0 is greedy, hence deterministic. A Hydra app (conf/generate.yaml)."""
 
 from __future__ import annotations
 
-import torch
-from tokenizers import Tokenizer
+from omegaconf import DictConfig
 
-from parallama.checkpoint.read import load_checkpoint, load_state_into
-from parallama.cli.keyvalue import parse_cli, run_cli, usage
-from parallama.data.tokenizer import from_pretrained, special_ids
+from parallama.cli import app
+from parallama.config.checks import Rule, check_values
 from parallama.errors import ConfigError
-from parallama.models import spec_for_hf_folder
-from parallama.models.generation import generate
 
-DEFAULTS = {
-    "ckpt_path": None,
-    "model_dir": None,
-    "prompt": "The ",
-    "max_new_tokens": 100,
-    "temperature": 0.8,
-    "top_k": 40,
-    "top_p": None,
-    "seed": 42,
-    "device": None,  # null: cuda when available
+RULES = {
+    "max_new_tokens": Rule(int, 0),
+    "temperature": Rule(float, 0),
+    "top_k": Rule(int, 1, allow=(None,)),
+    "top_p": Rule(float, 0, 1, open="low", allow=(None,)),
+    "seed": Rule(int, 0),
+    "prompt": Rule(str),
 }
 
 
-def load_model(cfg) -> tuple[torch.nn.Module, Tokenizer]:
-    """From a training checkpoint (any strategy) or from a Hugging Face folder (e.g. parallama-export's)."""
+def check(cfg: DictConfig, hardware: bool = True) -> None:
+    check_values(cfg, RULES)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=<checkpoint> or model_dir=<Hugging Face folder>")
+
+
+def load_model(cfg: DictConfig):
+    """(model, tokenizer) from a training checkpoint (any strategy) or a Hugging Face folder (e.g. an export)."""
+    from tokenizers import Tokenizer
+
+    from parallama.checkpoint.read import load_checkpoint, load_state_into
+    from parallama.data.tokenizer import from_pretrained
+    from parallama.models import spec_for_hf_folder
+
     if cfg.model_dir is not None:
         spec = spec_for_hf_folder(cfg.model_dir)
         model = spec.model(spec.hf.load_hf_config(cfg.model_dir))
@@ -46,30 +49,40 @@ def load_model(cfg) -> tuple[torch.nn.Module, Tokenizer]:
     return model, Tokenizer.from_str(ckpt.tokenizer_json)
 
 
-def generate_text(argv: list[str] | None = None) -> str:
-    cfg = parse_cli(DEFAULTS, argv)
+def generate_text(cfg: DictConfig | list[str]) -> str:
+    """The continuation, also printed; `cfg` may be the tool's command line (a list of overrides)."""
+    import torch
+
+    from parallama.data.tokenizer import special_ids
+    from parallama.models.generation import generate
+
+    if isinstance(cfg, list):
+        cfg = app.compose("generate", cfg, check, list_keys=True)
     model, tokenizer = load_model(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device).eval()
     ids = special_ids(tokenizer)
     prompt = [ids.bot, *tokenizer.encode(cfg.prompt, add_special_tokens=False).ids]
-    out = generate(
-        model,
-        torch.tensor([prompt], device=device),
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        eos_id=ids.eot,
-        generator=torch.Generator(device=device).manual_seed(cfg.seed),
-    )
+    try:
+        out = generate(
+            model,
+            torch.tensor([prompt], device=device),
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_id=ids.eot,
+            generator=torch.Generator(device=device).manual_seed(cfg.seed),
+        )
+    except ValueError as err:  # e.g. a prompt + max_new_tokens longer than the model's context
+        raise ConfigError(str(err)) from None
     text = tokenizer.decode(out[0, 1:].tolist(), skip_special_tokens=True)
     print(text)
     return text
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(generate_text, argv, usage(__doc__, DEFAULTS))
+    app.run("generate", generate_text, argv, check=check, list_keys=True)
 
 
 if __name__ == "__main__":

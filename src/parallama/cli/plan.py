@@ -4,11 +4,14 @@ model is parallel/plan.py)."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from parallama import CONF_DIR
+from omegaconf import DictConfig
+
+from parallama.cli import app
+from parallama.config.checks import Rule, check_values
+from parallama.config.compose import compose_tool
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config
@@ -43,11 +46,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     if precision == "${auto_precision:}":
         precision = "bf16-mixed"
         notes.append("trainer.precision unset: planning for bf16-mixed (what a bf16-capable GPU gets)")
-    devices, ckpt = cfg.trainer.devices, bool(cfg.activation_checkpointing)
-    if not isinstance(devices, int) or devices < 1:
-        raise ConfigError(
-            f"trainer.devices={devices}: give the number of GPUs per node, e.g. trainer.devices=8"
-        )
+    ckpt = bool(cfg.activation_checkpointing)
     shape = dict(
         world_size=dims_of_config(cfg).dp_size, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size
     )
@@ -89,26 +88,15 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=")[0]
 
 
-def compose(overrides: list[str], conf_dirs: list[Path] | None = None):
-    """The training config for these overrides (`conf_dirs`: searched too, as parallama-train's --config-dir);
-    Hydra's complaints become parallama-train's one-line errors."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from parallama.config.compose import _one_line
-
-    if conf_dirs:
-        overrides = [
-            *overrides,
-            f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in conf_dirs)}]",
-        ]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        try:
-            return compose("train", overrides=overrides)
-        except (HydraException, OmegaConfBaseException) as err:
-            message = f"{err}\n{err.__cause__ or ''}"
-            raise ConfigError(_one_line(message, lambda: compose("train"))) from None
+def compose(overrides: list[str], conf_dirs: list[Path] | None = None) -> DictConfig:
+    """The training config for these overrides (`conf_dirs`: searched too, as parallama-train's --config-dir),
+    for planning from Python."""
+    search = (
+        [f"hydra.searchpath=[{','.join(f'file://{Path(d).resolve()}' for d in conf_dirs)}]"]
+        if conf_dirs
+        else []
+    )
+    return compose_tool("train", [*overrides, *search])
 
 
 def show(result: dict) -> None:
@@ -144,48 +132,31 @@ def show(result: dict) -> None:
     console.print(rec["command"], markup=False, highlight=False, soft_wrap=True)
 
 
-USAGE = """parallama-plan [--config-dir DIR] [gpu_memory_gb=80] [json=false] <parallama-train overrides>
-  e.g. parallama-plan model=llama3_8b trainer.devices=8 gpu_memory_gb=80 data.seq_len=8192
+def check(cfg: DictConfig, hardware: bool = True) -> None:
+    check_values(cfg, {"gpu_memory_gb": Rule(float, 0, open="low"), "json": Rule(bool)})
+    devices = cfg.trainer.devices
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ConfigError(
+            f"trainer.devices={devices}: give the number of GPUs per node, e.g. trainer.devices=8"
+        )
 
-Per-GPU memory of every strategy for the training config these overrides compose (any parallama-train
-override works), and the first option of the guide in docs/strategies.md that fits in 90% of
-gpu_memory_gb (GiB), with the parallama-train line to run. json=true prints the numbers as JSON.
-The strategies are those conf/strategy declares (and --config-dir DIR/strategy, as for parallama-train)."""
 
+def _task(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
 
-def main(argv: list[str] | None = None) -> None:
-    """`parallama-plan [gpu_memory_gb=80] [json=true] <parallama-train overrides>`."""
-    gpu_memory_gb, as_json, overrides, conf_dirs = 80.0, False, [], []
-    args = list(sys.argv[1:] if argv is None else argv)
-    if {"-h", "--help"} & set(args):
-        print(USAGE)
-        sys.exit(0)
-    while "--config-dir" in args:  # more strategy (and other) configs, as parallama-train --config-dir
-        i = args.index("--config-dir")
-        conf_dirs.append(Path(args.pop(i + 1)) if i + 1 < len(args) else None)
-        args.pop(i)
-    try:
-        if None in conf_dirs:
-            raise ConfigError("--config-dir needs a directory")
-        for arg in args:
-            key, _, value = arg.lstrip("+").partition("=")
-            if key == "gpu_memory_gb":
-                try:
-                    gpu_memory_gb = float(value)
-                except ValueError:
-                    raise ConfigError(f"gpu_memory_gb={value} must be a number (GiB per GPU)") from None
-            elif key in ("json", "--json"):
-                as_json = value.lower() in ("", "true", "1")
-            else:
-                overrides.append(arg)
-        result = plan(compose(overrides, conf_dirs), gpu_memory_gb, overrides, conf_dirs)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    if as_json:
+    hc = HydraConfig.get()
+    overrides = [o for o in hc.overrides.task if _key(o) not in ("gpu_memory_gb", "json")]
+    conf_dirs = [Path(s.path) for s in hc.runtime.config_sources if s.provider == "command-line"]
+    result = plan(cfg, cfg.gpu_memory_gb, overrides, conf_dirs)
+    if cfg.json:
         print(json.dumps(result, indent=2))
     else:
         show(result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`parallama-plan [--config-dir DIR] [gpu_memory_gb=80] [json=true] <parallama-train overrides>`."""
+    app.run("plan", _task, argv, check=check)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from contextlib import nullcontext
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from parallama import CONF_DIR
-from parallama.config.checks import _RULES, Rule, _show
-from parallama.config.compose import compose_job
+from parallama.cli import app
+from parallama.config.checks import RULES as TRAIN_RULES
+from parallama.config.checks import Rule, check_values
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
 RULES = {
-    **{k: rule for k, rule in _RULES.items() if k.startswith(("seed", "data.", "tokenizer."))},
+    **{k: rule for k, rule in TRAIN_RULES.items() if k.startswith(("seed", "data.", "tokenizer."))},
     "prepare.num_proc": Rule(int, 1, allow=(None,)),
     "prepare.num_nodes": Rule(int, 1),
     "prepare.node_rank": Rule(int, 0),
@@ -39,13 +38,9 @@ RULES = {
 }
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig, hardware: bool = True) -> None:
     """The values `prepare` uses, each in one line naming the key (nothing else of the training config matters)."""
-    for key, rule in RULES.items():
-        parent, _, leaf = key.rpartition(".")
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        if isinstance(node, DictConfig) and leaf in node and not rule.valid(node[leaf]):
-            raise ConfigError(f"{key}={_show(node[leaf])} is not valid; use {rule.describe()}")
+    check_values(cfg, RULES)
     p = cfg.prepare
     if p.node_rank >= p.num_nodes:
         raise ConfigError(
@@ -61,13 +56,13 @@ def cores() -> int:
 
 def prepare(cfg: DictConfig) -> list:
     """Build (or find) the entry, or every source's entry of a mixture (`data.sources`, one tokenizer for all);
-    returns them, without those a node leaves to node 0's index step."""
+    returns them, without those a node leaves to node 0's index step. The command line's values were checked
+    before (`check`)."""
     from functools import partial
 
     from parallama.data.cache import TokenCache, load_tokenizer, source_key
     from parallama.data.sources import interleave, mixture_key, mixture_sources, named
 
-    check(cfg)
     data, p = cfg.data, cfg.prepare
     source = hydra.utils.instantiate(data.get("source"))
     mixture = mixture_sources(source, hydra.utils.instantiate(data.get("sources")))
@@ -111,40 +106,8 @@ def prepare(cfg: DictConfig) -> list:
     return entries
 
 
-def preflight(argv: list[str]) -> None:
-    """Compose and check as Hydra will, so that a typo is one line (Hydra's own flags are left to it)."""
-    from hydra import initialize_config_dir
-
-    if any(arg.startswith("-") for arg in argv):
-        return
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose_job("prepare", argv)
-    if missing := sorted(k for k in OmegaConf.missing_keys(cfg) if k.startswith(("data.", "tokenizer."))):
-        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
-    check(cfg)
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="prepare", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        prepare(cfg)
-    except (ConfigError, FileNotFoundError) as err:
-        log.error(f"error: {err}")
-        sys.exit(2)
-    except hydra.errors.InstantiationException as err:
-        from parallama.cli.train import instantiation_error
-
-        log.error(f"error: {instantiation_error(err)}")
-        sys.exit(2)
-
-
-def main() -> None:
-    try:
-        preflight(sys.argv[1:])
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    _hydra_main()
+def main(argv: list[str] | None = None) -> None:
+    app.run("prepare", prepare, argv, check=check, log_errors=True)
 
 
 if __name__ == "__main__":

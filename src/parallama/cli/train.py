@@ -1,267 +1,62 @@
-"""`parallama-train` (or `python -m parallama.cli.train`): compose the config, build data/model/trainer, fit, report.
-
-Lightning and torch are imported inside `train()`, so `--help`, typos and the preflight checks answer before
-they load (several seconds on a small machine).
-"""
+"""`parallama-train` (or `python -m parallama.train`): check the command line's config, then run the training job
+(training/run.py) as a Hydra app (conf/train.yaml), a sweep's jobs one by one (`-m`, or an experiment preset
+that asks for one). Returns the final `optimized_metric` to the sweeper (Optuna minimizes it)."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
-from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from parallama import CONF_DIR
-from parallama.checkpoint.resume import last_checkpoint_note
-from parallama.config.checks import check_config
-from parallama.config.compose import preflight
+from parallama.cli import app
 from parallama.errors import ConfigError, TrainingDiverged
-from parallama.runtime import faults
-from parallama.runtime.launch import patch_ddp_relaunch, use_private_torch_extensions
-
-log = logging.getLogger("parallama")
 
 
-def instantiate_dict(node: DictConfig | None) -> list:
-    """Instantiate every entry of a keyed config dict (callbacks, loggers); null entries are switched off."""
-    return [hydra.utils.instantiate(v) for v in (node or {}).values() if v is not None and "_target_" in v]
-
-
-def train(cfg: DictConfig) -> tuple[dict, dict]:
-    """Run one training job. Returns the final metrics (`val/loss`, ...) and the objects it built (cfg,
-    datamodule, model, callbacks, logger, trainer), as lightning-hydra-template's `train` does, so a config
-    composed with `hydra.compose(..., return_hydra_config=True)` can be trained from Python (tests, notebooks)."""
-    check_config(cfg)
-    from parallama.runtime.compat import check_internals
-
-    check_internals(deepspeed="deepspeed" in str(cfg.strategy.get("_target_", "")))
-    import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor
-
-    from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
-    from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
-    from parallama.training.loggers import continue_wandb_run
-    from parallama.training.module import CausalLM
-
-    check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
-    print_config(cfg)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    datamodule = hydra.utils.instantiate(cfg.data)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    vocab = datamodule.vocab_size
-    if model_cfg["vocab_size"] is None:
-        model_cfg["vocab_size"] = -(-vocab // 64) * 64  # a multiple of 64 keeps matmuls aligned
-    elif vocab > model_cfg["vocab_size"]:
-        raise ConfigError(
-            f"the tokenizer has {vocab} tokens but model.vocab_size={model_cfg['vocab_size']}; "
-            f"set model.vocab_size>={vocab} (or null to follow the tokenizer)"
-        )
-    module = CausalLM(
-        model=model_cfg,
-        optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
-        scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
-        compile=cfg.compile,
-        activation_checkpointing=cfg.activation_checkpointing,
-        init_from=cfg.init_from,
-    )
-    module.tokenizer_json = datamodule.tokenizer.to_str()
-    runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
-    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
-    loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
-    if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
-        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint_io.py);
-    # other plugins (launcher=slurm's SLURMEnvironment) are kept.
-    plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        strategy=hydra.utils.instantiate(cfg.strategy),
-        callbacks=callbacks,
-        logger=loggers or False,
-        plugins=plugins,
-    )
-    if trainer.is_global_zero:
-        remove_stale_temps(Path(cfg.paths.output_dir) / "checkpoints")  # left by a save that was killed
-    output_dir = cfg.paths.output_dir
-    for logger in trainer.loggers:
-        logger.log_hyperparams(
-            {
-                "config": job_config(cfg),
-                "model/params": module.config.num_params(),
-                "model/flops_per_token": module.config.flops_per_token(cfg.data.seq_len),
-            }
-        )
-    log.info(
-        f"[rank {trainer.global_rank}/{trainer.world_size}, local rank {trainer.local_rank}] "
-        f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
-        f"lr {module.hparams.optimizer['lr']:g}"
-    )
-    faults.watch_ranks(trainer, output_dir)
-    if ckpt_path is not None:
-        check_resume(ckpt_path, model_cfg, datamodule, trainer.max_steps)
-    if cfg.validate_before_training and ckpt_path is None:
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-
-    sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None
-    report(trainer, output_dir, sample)
-    objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
-    objects.update(logger=loggers, trainer=trainer)
-    return dict(trainer.callback_metrics), objects
-
-
-def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
-    """Every rank generates (sharded models need all ranks in each forward); the same seed gives the same text."""
-    import torch
-
-    from parallama.models.generation import generate
-
-    if module.model is None:
-        return None
-    model = module.parallelism.inference_model(module.model)
-    device = next(model.parameters()).device
-    if device.type == "meta":
-        return None
-    tokenizer, ids = datamodule.tokenizer, datamodule.special_ids
-    prompt = [ids.bot, *tokenizer.encode(cfg.sample.prompt, add_special_tokens=False).ids]
-    model.eval()
-    out = generate(
-        model,
-        torch.tensor([prompt], device=device),
-        max_new_tokens=cfg.sample.max_new_tokens,
-        temperature=cfg.sample.temperature,
-        top_k=cfg.sample.top_k,
-        eos_id=ids.eot,
-        generator=torch.Generator(device=device).manual_seed(cfg.seed),
-    )
-    return tokenizer.decode(out[0, 1:].tolist(), skip_special_tokens=True)
-
-
-def job_config(cfg: DictConfig) -> dict:
-    """The resolved config without Hydra's own node (present when composed with return_hydra_config)."""
-    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
-
-
-def print_config(cfg: DictConfig) -> None:
-    """Shown highlighted on a terminal, and in full (not cut at 80 columns) in a log file."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank != 0:
-        return
-    from rich.console import Console
-    from rich.syntax import Syntax
-
-    text = OmegaConf.to_yaml(job_config(cfg))
-    console = Console()
-    if console.is_terminal:
-        console.print(Syntax(text, "yaml", theme="ansi_dark"))
-    else:
-        print(text, flush=True)
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.yaml").write_text(text)
-
-
-def report(trainer, output_dir: str, sample: str | None) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    if trainer.global_rank != 0:
-        return
-    lines = [f"output dir:      {output_dir}"]
-    for ckpt in trainer.checkpoint_callbacks:
-        if not isinstance(ckpt, ModelCheckpoint):
-            continue
-        if ckpt.monitor:
-            lines.append(
-                f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
-            )
-        if ckpt.last_model_path:
-            lines.append(f"last checkpoint: {ckpt.last_model_path}")
-    for logger in trainer.loggers:
-        lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
-    metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    lines.append(f"final metrics:   {metrics}")
-    if sample is not None:
-        lines.append(f"sample:\n{sample}")
-    log.info("\n".join(lines))
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float | None:
-    """Returns the final `optimized_metric` (default val/loss): the value sweeps (Optuna) minimize."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
+def train_job(cfg: DictConfig) -> float | None:
+    """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize."""
+    from parallama.checkpoint.resume import last_checkpoint_note
+    from parallama.runtime import faults
+    from parallama.training.run import train
 
     try:
         metrics, _ = train(cfg)
-        name = cfg.get("optimized_metric")
-        if name and name not in metrics:  # a sweeper cannot score the trial
-            raise ConfigError(
-                f"optimized_metric={name} was not logged by this run; logged: {', '.join(sorted(metrics))} "
-                "(is validation off? trainer.limit_val_batches must be > 0)"
-            )
-        metric = metrics.get(name or "val/loss")
-        return float(metric) if metric is not None else None
-    except (ConfigError, FileNotFoundError) as err:
-        log.error(f"error: {err}")
-        sys.exit(2)
-    except MisconfigurationException as err:  # Lightning's own one-line complaints about Trainer settings
-        log.error(f"error: {' '.join(str(err).split())}")
-        sys.exit(2)
-    except hydra.errors.InstantiationException as err:
-        log.error(f"error: {instantiation_error(err)}")
-        sys.exit(2)
     except TrainingDiverged as err:
-        log.error(f"error: {err} ({last_checkpoint_note(cfg.paths.output_dir)})")
-        sys.exit(3)
-    except faults.Preempted as stop:
-        log.warning(f"{stop}; resume with ckpt_path=last")
-        sys.exit(0)
-    except RuntimeError as err:  # gloo's error for a peer rank that is gone: one line naming it
-        line = faults.lost_rank(err)
-        if line is None:
-            raise
-        log.error(line)
-        sys.exit(faults.EXIT_RANK_DIED)
+        raise TrainingDiverged(f"{err} ({last_checkpoint_note(cfg.paths.output_dir)})") from None
     finally:
         faults.stop_watching()
         wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
         if wandb is not None and wandb.run is not None:
             wandb.finish()
+    name = cfg.get("optimized_metric")
+    if name and name not in metrics:  # a sweeper cannot score the trial
+        raise ConfigError(
+            f"optimized_metric={name} was not logged by this run; logged: {', '.join(sorted(metrics))} "
+            "(is validation off? trainer.limit_val_batches must be > 0)"
+        )
+    metric = metrics.get(name or "val/loss")
+    return float(metric) if metric is not None else None
 
 
-def instantiation_error(err: Exception) -> str:
-    """A constructor's complaint in one line: the project's own ConfigError as it is, anything else with the
-    config key whose `_target_` raised it."""
-    cause = err
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-        if isinstance(cause, (ConfigError, FileNotFoundError)):
-            return str(cause)
-    lines = str(err).splitlines()
-    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
-    reason = (
-        str(cause).strip().splitlines()[0] if cause is not err else (lines[1] if len(lines) > 1 else lines[0])
-    )
-    return f"{key or lines[0]}: {reason}"
+def main(argv: list[str] | None = None) -> None:
+    app.run("train", train_job, argv, check=check, log_errors=True, setup=setup)
 
 
-def main() -> None:
-    try:
-        preflight(CONF_DIR, "train", sys.argv[1:])
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+def setup() -> None:
+    """Once the config passed (Lightning loads here, not for `--help` or a typo)."""
+    from parallama.runtime.launch import patch_ddp_relaunch, use_private_torch_extensions
+
     use_private_torch_extensions()
     patch_ddp_relaunch()
     # parallama's data module restores the position inside the epoch itself (TextDataModule.state_dict), so
     # Lightning's warning that the loader "is not resumable" does not apply.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-    _hydra_main()
+
+
+def check(cfg: DictConfig, hardware: bool) -> None:
+    from parallama.config.checks import check_config
+
+    check_config(cfg, hardware=hardware)
 
 
 if __name__ == "__main__":

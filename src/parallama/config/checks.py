@@ -1,7 +1,7 @@
 """Cross-key checks of the composed config, run before any data is read or any process is started.
 
 Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
-accepts is in `_RULES`; the model's fields are checked by its family's config class itself (`models`). How the config is composed
+accepts is in `RULES`; the model's fields are checked by its family's config class itself (`models`). How the config is composed
 from the command line (and Hydra's own errors worded) is in `compose`.
 """
 
@@ -27,7 +27,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
-        _resolve_global_batch(cfg)
+        apply_global_batch(cfg)
 
 
 class Rule:
@@ -59,14 +59,14 @@ class Rule:
 
     def describe(self) -> str:
         if self.choices:
-            text = "one of " + ", ".join(_show(c) for c in self.choices)
+            text = "one of " + ", ".join(show(c) for c in self.choices)
         else:
             text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
         if self.low is not None and self.high is not None:
             text += f" in {'(' if 'low' in self.open else '['}{self.low}, {self.high}{')' if 'high' in self.open else ']'}"
         elif self.low is not None:
             text += f" {'>' if 'low' in self.open else '>='} {self.low}"
-        return text + "".join(f" or {_show(a)}" for a in self.allow)
+        return text + "".join(f" or {show(a)}" for a in self.allow)
 
 
 _PRECISIONS = (
@@ -79,7 +79,7 @@ _PRECISIONS = (
     "64-true",
     "transformer-engine",
 )
-_RULES = {  # checked when the key exists (strategy keys only for the strategies that have them)
+RULES = {  # checked when the key exists (strategy keys only for the strategies that have them)
     "seed": Rule(int, 0),
     "global_batch_size": Rule(int, 1, allow=(None,)),
     "compile": Rule(bool),
@@ -139,8 +139,9 @@ _RULES = {  # checked when the key exists (strategy keys only for the strategies
 }
 
 
-def _check_values(cfg: DictConfig) -> None:
-    for key, rule in _RULES.items():
+def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
+    """Each key of `rules` that the config has against its rule, in one line naming the first bad one."""
+    for key, rule in rules.items():
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
         if not isinstance(node, DictConfig) or leaf not in node:
@@ -149,7 +150,11 @@ def _check_values(cfg: DictConfig) -> None:
         if key == "trainer.fast_dev_run" and isinstance(value, bool):
             continue
         if not rule.valid(value):
-            raise ConfigError(f"{key}={_show(value)} is not valid; use {rule.describe()}")
+            raise ConfigError(f"{key}={show(value)} is not valid; use {rule.describe()}")
+
+
+def _check_values(cfg: DictConfig) -> None:
+    check_values(cfg, RULES)
     interval = cfg.trainer.get("val_check_interval")
     if isinstance(interval, float) and cfg.trainer.get("check_val_every_n_epoch") is None:
         raise ConfigError(
@@ -158,7 +163,7 @@ def _check_values(cfg: DictConfig) -> None:
         )
 
 
-def _show(value) -> str:
+def show(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
@@ -228,7 +233,7 @@ def _check_strategy(cfg: DictConfig) -> None:
         )
 
 
-def _resolve_global_batch(cfg: DictConfig) -> None:
+def apply_global_batch(cfg: DictConfig) -> None:
     """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the run's data-parallel size
     (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take)."""
     from parallama.parallel.dims import dims_of_config

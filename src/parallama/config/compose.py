@@ -1,7 +1,7 @@
-"""From a command line to a composed config, outside `@hydra.main`: parallama-train's preflight (the overrides
-composed as Hydra will, a sweep job by job, each then checked by `checks.check_config`), `compose_job` for
-parallama-prepare and parallama-eval, Hydra's errors in one line with a "did you mean", and the
-`${auto_precision:}` resolver that the configs use.
+"""From a command line to a composed config, outside `@hydra.main`: every tool's preflight (the overrides
+composed as Hydra will, a sweep job by job, each then checked by the tool's check, by default
+`checks.check_config`), Hydra's errors in one line with a "did you mean", and the `${auto_precision:}` resolver
+that the configs use.
 
 Separate from `checks`: this is how a config is obtained and Hydra's complaints about it worded; `checks` is
 what a composed config must satisfy.
@@ -22,8 +22,8 @@ from parallama.errors import ConfigError
 # Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only
 # change what is done with the config (-m, --cfg job) are set aside and the overrides checked as usual.
 _HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-i", "--info"}
-_UNCHECKED = {"-cp", "--config-path", "-cd", "--config-dir", "--experimental-rerun"}  # another config tree
-_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name"}
+_UNCHECKED = {"-cp", "--config-path", "--experimental-rerun"}  # another config tree
+_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cd", "--config-dir"}
 _NO_VALUE = {"-m", "--multirun", "-r", "--run", "--resolve"}
 
 
@@ -38,14 +38,34 @@ def auto_precision() -> str:
 OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 
-def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
+# The jobs (their override lists) that `preflight` checked in this process: a tool need not check them again.
+_CHECKED: set[tuple[str, ...]] = set()
+
+
+def already_checked(cfg: DictConfig) -> bool:
+    """Whether `preflight` checked the running Hydra job's config (a job whose values a sweeper draws as it
+    starts, e.g. Optuna's, was not)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return False
+    return tuple(HydraConfig.get().overrides.task) in _CHECKED
+
+
+def preflight(
+    conf_dir: Path,
+    config_name: str,
+    argv: list[str],
+    check: Callable[[DictConfig, bool], None] = lambda cfg, hardware: check_config(cfg, hardware=hardware),
+    list_keys: bool = False,
+) -> None:
     """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
 
     A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
     their first value. `--cfg` only prints: the config may still lack required values or name GPUs that this
-    machine does not have.
+    machine does not have (`check(cfg, hardware=False)`). `--config-dir DIR` searches DIR too, as Hydra does.
     """
-    overrides, printing = [], False
+    overrides, printing, search = [], False, []
     args = iter(argv)
     for arg in args:
         flag = arg.split("=", 1)[0]
@@ -55,16 +75,41 @@ def preflight(conf_dir: Path, config_name: str, argv: list[str]) -> None:
             value = arg.split("=", 1)[1] if "=" in arg else next(args, "")
             printing |= flag in ("-c", "--cfg")
             config_name = value if flag in ("-cn", "--config-name") else config_name
+            if flag in ("-cd", "--config-dir"):
+                if not value:
+                    raise ConfigError(f"{flag} needs a directory")
+                search.append(f"file://{Path(value).resolve()}")
         elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
+    extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
     from hydra import initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for job, label in _sweep_jobs(overrides):
             try:
-                _check_job(config_name, job, printing)
+                cfg = compose_job(config_name, [*job, *extra], list_keys)
+                missing = sorted(OmegaConf.missing_keys(cfg))
+                if missing and not printing:
+                    raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
+                if not missing:
+                    check(cfg, not printing)
+                    if not printing:
+                        _CHECKED.add(tuple(job))
             except ConfigError as err:
                 raise ConfigError(f"{err} (in the sweep job with {label})" if label else str(err)) from None
+
+
+def compose_tool(config_name: str, overrides: list[str], list_keys: bool = False) -> DictConfig:
+    """A tool's config for `overrides`, as its Hydra app composes it (for calling a tool from Python)."""
+    from hydra import initialize_config_dir
+
+    from parallama import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose_job(config_name, overrides, list_keys)
+    if missing := sorted(OmegaConf.missing_keys(cfg)):
+        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
+    return cfg
 
 
 def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
@@ -76,6 +121,8 @@ def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
+        if bare := [arg for arg in overrides if "=" not in arg and not arg.startswith("~")]:
+            raise ConfigError(f"argument {bare[0]!r} is not key=value (e.g. {bare[0]}=...)") from None
         raise ConfigError(" ".join(str(err).split())) from None
     base, swept = [], []
     for override in parsed:
@@ -98,10 +145,10 @@ def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
     ]
 
 
-def compose_job(config_name: str, overrides: list[str], valid_keys: str | None = None) -> DictConfig:
+def compose_job(config_name: str, overrides: list[str], list_keys: bool = False) -> DictConfig:
     """The job config Hydra composes for `overrides` (inside `initialize_config_dir`), its `hydra` node set aside
-    once ${hydra:...} can resolve; Hydra's error in one line otherwise. `valid_keys`: list them for an unknown
-    key (tools with a few top-level keys) instead of suggesting `+key=`."""
+    once ${hydra:...} can resolve; Hydra's error in one line otherwise. `list_keys`: an unknown key is answered
+    with the config's keys (tools with a few top-level keys) instead of a suggestion to add it with `+key=`."""
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -111,31 +158,24 @@ def compose_job(config_name: str, overrides: list[str], valid_keys: str | None =
         cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         message = f"{err}\n{err.__cause__ or ''}"
-        raise ConfigError(_one_line(message, lambda: compose(config_name), valid_keys)) from None
+        raise ConfigError(_one_line(message, lambda: compose(config_name), list_keys)) from None
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
 
 
-def _check_job(config_name: str, overrides: list[str], printing: bool) -> None:
-    cfg = compose_job(config_name, overrides)
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing and not printing:
-        raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
-    if not missing:
-        check_config(cfg, hardware=not printing)
-
-
-def _one_line(message: str, compose_defaults: Callable[[], DictConfig], valid_keys: str | None = None) -> str:
+def _one_line(message: str, compose_defaults: Callable[[], DictConfig], list_keys: bool = False) -> str:
     """Hydra's error in one line. `compose_defaults` gives the config without overrides, for "did you mean";
     it is called only for an unknown key, an override error, so the config files themselves compose."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if (match := re.match(r"Could not override '([^']+)'", lines[0])) and "not in struct" in message:
         key = match.group(1)
         suggestion = _did_you_mean(key, compose_defaults())
-        if valid_keys:
-            return f"unknown or invalid key '{key}'{suggestion}; valid keys: {valid_keys}"
+        if list_keys:
+            defaults = OmegaConf.to_container(compose_defaults(), resolve=False)
+            keys = [f"{k}.*" if isinstance(v, dict) else str(k) for k, v in defaults.items() if k != "hydra"]
+            return f"unknown or invalid key '{key}'{suggestion}; valid keys: {', '.join(keys)}"
         return f"unknown config key '{key}'{suggestion}; to add a new key write +{key}=..."
     if match := re.search(r"Could not find '([^']+)'", lines[0]):
         group, _, option = match.group(1).rpartition("/")

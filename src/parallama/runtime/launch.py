@@ -23,7 +23,13 @@ def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
     from hydra.utils import get_original_cwd
 
     hc = HydraConfig.get()
-    command = [sys.executable, "-m", "parallama.cli.train"]
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)  # `python -m <module>`; else a script or a console script
+    command = (
+        [sys.executable, "-m", spec.name]
+        if spec is not None
+        else [sys.executable, os.path.abspath(sys.argv[0])]
+    )
     for source in hc.runtime.config_sources:
         if source.provider == "command-line":  # a --config-dir the user gave
             command += ["--config-dir", source.path]

@@ -171,7 +171,9 @@ class CausalLM(L.LightningModule):
         opt = dict(self.hparams.optimizer)
         params = [p for p in self.model.parameters() if p.requires_grad]
         strategy = self.parallelism
-        decay = [p for p in params if len(strategy.param_shape(p)) >= 2]  # matrices decay, norm weights do not
+        decay = [
+            p for p in params if len(strategy.param_shape(p)) >= 2
+        ]  # matrices decay, norm weights do not
         no_decay = [p for p in params if len(strategy.param_shape(p)) < 2]
         groups = [
             {"params": decay, "weight_decay": opt["weight_decay"]},

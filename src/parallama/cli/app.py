@@ -1,0 +1,154 @@
+"""The front door of every tool (`parallama-<tool>`), so that they all behave alike:
+
+- the command line is Hydra's (`key=value`, `group=option`, `+key=`, `--help`, `--cfg job`, `--config-dir`, and
+  `-m` where a tool sweeps), composed from conf/<tool>.yaml;
+- before any work, the config is composed as Hydra will compose it and checked (`check`), a sweep job by job:
+  a typo or a bad value is one `error:` line and exit status 2, before any job starts;
+- the tool then runs as a Hydra app (its run directory, logging and sweeps as its config says);
+- anything that goes wrong that the user can act on is one line and an exit status (`exit_status`), here
+  and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from parallama import CONF_DIR
+from parallama.config.compose import compose_tool, preflight
+from parallama.errors import ConfigError, TrainingDiverged
+
+log = logging.getLogger("parallama")
+
+EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_RANK_DIED = 2, 3, 4
+
+
+def run(
+    config_name: str,
+    task: Callable[[DictConfig], Any],
+    argv: list[str] | None = None,
+    *,
+    check: Callable[[DictConfig, bool], None] | None = None,
+    subcommand: str | None = None,
+    log_errors: bool = False,
+    list_keys: bool = False,
+    rewrite: Callable[[list[str]], list[str]] | None = None,
+    setup: Callable[[], None] | None = None,
+) -> None:
+    """Check, then run `task` as the Hydra app of conf/<config_name>.yaml.
+
+    check(cfg, hardware): raises ConfigError for a bad config (`hardware=False` under `--cfg`, which only
+    prints). subcommand: an optional first word (`parallama-ckpt convert ...`). log_errors: report errors
+    through the tool's logging (train, prepare: their log file keeps them too), else on stderr. list_keys: an
+    unknown key is answered with the tool's keys (tools with a few of them). rewrite: older spellings of
+    arguments in today's (may raise ConfigError). setup: what to do once the config passed, before the app.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if subcommand is not None and args[:1] == [subcommand]:
+        args = args[1:]
+    try:
+        args = rewrite(args) if rewrite is not None else args
+        preflight(CONF_DIR, config_name, args, check or (lambda cfg, hardware: None), list_keys)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if setup is not None:
+        setup()
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # the tool may run twice in one process (tests, notebooks)
+    app = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(
+        guarded(task, log_errors)
+    )
+    saved, sys.argv = sys.argv, [sys.argv[0], *args]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+
+
+def compose(
+    config_name: str,
+    argv: list[str],
+    check: Callable[[DictConfig, bool], None] | None = None,
+    list_keys: bool = False,
+) -> DictConfig:
+    """The config a tool's command line gives, checked, without running the tool (tests, notebooks)."""
+    cfg = compose_tool(config_name, argv, list_keys)
+    if check is not None:
+        check(cfg, True)
+    return cfg
+
+
+def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[DictConfig], Any]:
+    """`task` with its errors reported as one line and an exit status (`exit_status`)."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: DictConfig) -> Any:
+        try:
+            return task(cfg)
+        except Exception as err:
+            status, line = exit_status(err)
+            if status is None:
+                raise  # a bug: the whole traceback
+            if status == 0:
+                log.warning(line)
+            elif log_errors:
+                log.error(line)
+            else:
+                print(line, file=sys.stderr)
+            sys.exit(status)
+
+    return wrapper
+
+
+def exit_status(err: BaseException) -> tuple[int | None, str]:
+    """(status, line) for an error the user can act on; (None, "") for anything else."""
+    import hydra
+
+    from parallama.runtime import faults
+
+    if isinstance(err, (ConfigError, FileNotFoundError)):
+        return EXIT_BAD_INPUT, f"error: {err}"
+    if _is_lightning_misconfiguration(err):  # Lightning's own one-line complaints about Trainer settings
+        return EXIT_BAD_INPUT, f"error: {' '.join(str(err).split())}"
+    if isinstance(err, hydra.errors.InstantiationException):
+        return EXIT_BAD_INPUT, f"error: {instantiation_error(err)}"
+    if isinstance(err, TrainingDiverged):
+        return EXIT_DIVERGED, f"error: {err}"
+    if isinstance(err, faults.Preempted):
+        return 0, f"{err}; resume with ckpt_path=last"
+    if isinstance(err, RuntimeError) and (line := faults.lost_rank(err)) is not None:
+        return EXIT_RANK_DIED, line  # gloo's error for a peer rank that is gone, naming it
+    return None, ""
+
+
+def _is_lightning_misconfiguration(err: BaseException) -> bool:
+    if "lightning" not in sys.modules:  # not loaded: the error cannot be Lightning's
+        return False
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    return isinstance(err, MisconfigurationException)
+
+
+def instantiation_error(err: Exception) -> str:
+    """A constructor's complaint in one line: the project's own ConfigError as it is, anything else with the
+    config key whose `_target_` raised it."""
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+        if isinstance(cause, (ConfigError, FileNotFoundError)):
+            return str(cause)
+    lines = str(err).splitlines()
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    reason = (
+        str(cause).strip().splitlines()[0] if cause is not err else (lines[1] if len(lines) > 1 else lines[0])
+    )
+    return f"{key or lines[0]}: {reason}"

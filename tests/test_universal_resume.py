@@ -177,6 +177,7 @@ def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs,
         "stage": 1,
         "offload": False,
         "precision": "32-true",
+        "dims": {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1},
     }
     before = universal.read(source)
     _assert_same_state(universal.read(out), before)

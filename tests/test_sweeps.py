@@ -12,8 +12,8 @@ from conftest import TINY, run_cli, train
 from hydra import compose, initialize_config_dir
 from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixture applies here too)
 
+from parallama import CONF_DIR
 from parallama.checkpoint.formats import client_state
-from parallama.cli.train import CONF_DIR
 
 
 def free_port() -> int:

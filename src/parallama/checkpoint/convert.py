@@ -42,8 +42,8 @@ def convert(cfg) -> None:
 
 
 def write_deepspeed(cfg, state: universal.UniversalState) -> None:
-    """DeepSpeed writes the folder: Lightning starts `cfg.devices` ranks (re-running this command), each loads
-    the checkpoint through parallama's universal path into a ZeRO engine and saves it before any step."""
+    """DeepSpeed writes the folder: `cfg.devices` ranks (this command, re-run) each load the checkpoint through
+    parallama's universal path into a ZeRO engine and save it before any step."""
     hparams = state.client.get("hyper_parameters")
     if not hparams or "model" not in hparams:
         raise ConfigError(
@@ -56,7 +56,7 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
     import torch
 
     from parallama.parallel.strategies.deepspeed import DeepSpeed
-    from parallama.runtime.launch import use_private_torch_extensions
+    from parallama.runtime.launch import needs_launch, start_ranks, use_private_torch_extensions
     from parallama.training.module import CausalLM
 
     use_private_torch_extensions()
@@ -84,6 +84,8 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
         offload_parameters=cfg.offload and cfg.stage == 3,
         logging_batch_size_per_gpu=1,
     )
+    if needs_launch(cfg.devices):
+        start_ranks(cfg.devices, num_nodes=1)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg.devices,

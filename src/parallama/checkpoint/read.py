@@ -20,11 +20,11 @@ from torch import Tensor, nn
 
 from parallama.checkpoint.formats import LIGHTNING_TENSORS, client_state, deepspeed_tag, detect
 from parallama.checkpoint.untrusted import (
-    _safe_dcp_reader,
-    _verify_dcp,
-    _verify_deepspeed,
     deepspeed_types,
     load_weights_only,
+    safe_dcp_reader,
+    verify_dcp,
+    verify_deepspeed,
     weights_only_loads,
 )
 from parallama.errors import ConfigError
@@ -56,7 +56,7 @@ def _load_deepspeed(path: str) -> tuple[dict, dict]:
     names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
     if not any((tag / name).is_file() for name in names):
         raise ConfigError(f"checkpoint {tag} has none of {names}; the DeepSpeed checkpoint is incomplete")
-    _verify_deepspeed(path)
+    verify_deepspeed(path)
     try:
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -72,7 +72,7 @@ def _load_dcp(path: str) -> tuple[dict, dict]:
     third of what `parallel.universal.read` (weights + AdamW moments, for resuming) holds in memory."""
     import torch.distributed.checkpoint as dcp
 
-    metadata = _verify_dcp(path)
+    metadata = verify_dcp(path)
     try:
         state_dict = {
             k.removeprefix("state_dict."): torch.empty(m.size, dtype=m.properties.dtype)
@@ -82,7 +82,7 @@ def _load_dcp(path: str) -> tuple[dict, dict]:
         with warnings.catch_warnings(), weights_only_loads([]):
             # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"state_dict": state_dict}, storage_reader=_safe_dcp_reader(path), no_dist=True)
+            dcp.load({"state_dict": state_dict}, storage_reader=safe_dcp_reader(path), no_dist=True)
     except Exception as err:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
     return state_dict, client_state(path)

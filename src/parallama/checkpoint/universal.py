@@ -27,9 +27,9 @@ from torch import Tensor
 
 from parallama.checkpoint.formats import INFO_KEY, client_state, detect
 from parallama.checkpoint.untrusted import (
-    _safe_dcp_reader,
-    _verify_dcp,
     load_weights_only,
+    safe_dcp_reader,
+    verify_dcp,
     weights_only_loads,
 )
 from parallama.errors import ConfigError
@@ -76,17 +76,53 @@ def _read_file(path: str) -> UniversalState:
 
 
 def _read_dcp(path: str) -> UniversalState:
-    """A DCP folder (FSDP2's, or parallama-ckpt's) in one process: everything in it, nested as it was saved."""
-    from parallama.runtime.compat import load_whole_dcp
+    """A DCP folder (FSDP2's, or parallama-ckpt's) in one process: everything in it, nested as it was saved.
 
-    _verify_dcp(path)
+    The keys come from its `.metadata` (read safely), so DCP's own loader fills every one of them; the
+    metadata's `planner_data` says where each flat key sat in the nested state that was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = verify_dcp(path)
+    flat = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        if isinstance(item, TensorStorageMetadata)
+        else None
+        for key, item in metadata.state_dict_metadata.items()
+    }  # None: a pickled value, which the loader puts in its place
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         with warnings.catch_warnings(), weights_only_loads([]):
             warnings.simplefilter("ignore", UserWarning)  # "loading in a single process": it is
-            state = load_whole_dcp(_safe_dcp_reader(path))
+            dcp.load(flat, storage_reader=safe_dcp_reader(path), planner=planner, no_dist=True)
     except Exception as err:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    state = _nested(flat, metadata.planner_data or {})
     return UniversalState(state["state_dict"], state.get("optimizer_0"), client_state(path))
+
+
+def _nested(flat: dict, paths: dict) -> dict:
+    """DCP's flat keys back in place: `paths[key]` is the key's path (dict keys and list indices) when saved."""
+    out: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        node = out
+        for part, following in zip(path, path[1:]):
+            node = _child(node, part, [] if isinstance(following, int) else {})
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return out
+
+
+def _child(node, part, empty):
+    if isinstance(node, list):
+        node.extend([None] * (part + 1 - len(node)))
+        if node[part] is None:
+            node[part] = empty
+        return node[part]
+    return node.setdefault(part, empty)
 
 
 # --- optimizer state: tensor index <-> parameter name ----------------------------------------------------

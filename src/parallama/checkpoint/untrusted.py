@@ -134,7 +134,7 @@ def read_dcp_metadata(path: str | os.PathLike):
         raise _corrupt(file, err) from None
 
 
-def _safe_dcp_reader(path: str | os.PathLike):
+def safe_dcp_reader(path: str | os.PathLike):
     """DCP's FileSystemReader with `.metadata` read by `read_dcp_metadata`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -150,13 +150,13 @@ def _safe_dcp_reader(path: str | os.PathLike):
     return SafeReader(path)
 
 
-def _verify_deepspeed(path: str | os.PathLike) -> None:
+def verify_deepspeed(path: str | os.PathLike) -> None:
     allowed = deepspeed_types()
     for file in sorted(Path(path).rglob("*.pt")):
         load_weights_only(str(file), mmap=True, allowed=allowed)
 
 
-def _verify_dcp(path: str | os.PathLike):
+def verify_dcp(path: str | os.PathLike):
     """`.metadata`, every *.pt, and the pickled (non-tensor) items inside the `*.distcp` files; returns
     the metadata."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -185,7 +185,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
 
     verify = {
         "file": lambda p: load_weights_only(p, mmap=True),
-        "deepspeed": _verify_deepspeed,
-        "dcp": _verify_dcp,
+        "deepspeed": verify_deepspeed,
+        "dcp": verify_dcp,
     }
     verify[detect(path)](str(path))

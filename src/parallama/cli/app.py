@@ -25,7 +25,7 @@ from parallama.errors import ConfigError, TrainingDiverged
 
 log = logging.getLogger("parallama")
 
-EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_RANK_DIED = 2, 3, 4
+EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # and faults.EXIT_RANK_DIED
 
 
 def run(
@@ -125,8 +125,8 @@ def exit_status(err: BaseException) -> tuple[int | None, str]:
         return EXIT_DIVERGED, f"error: {err}"
     if isinstance(err, faults.Preempted):
         return 0, f"{err}; resume with ckpt_path=last"
-    if isinstance(err, RuntimeError) and (line := faults.lost_rank(err)) is not None:
-        return EXIT_RANK_DIED, line  # gloo's error for a peer rank that is gone, naming it
+    if isinstance(err, faults.RankDied):
+        return faults.EXIT_RANK_DIED, str(err)
     return None, ""
 
 

@@ -23,6 +23,10 @@ def train_job(cfg: DictConfig) -> float | None:
         metrics, _ = train(cfg)
     except TrainingDiverged as err:
         raise TrainingDiverged(f"{err} ({last_checkpoint_note(cfg.paths.output_dir)})") from None
+    except RuntimeError as err:  # gloo's error for a peer rank that is gone: one line naming it
+        if (line := faults.lost_rank(err)) is not None:
+            raise faults.RankDied(line) from None
+        raise
     finally:
         faults.stop_watching()
         wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
@@ -43,11 +47,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def setup() -> None:
-    """Once the config passed (Lightning loads here, not for `--help` or a typo)."""
-    from parallama.runtime.launch import patch_ddp_relaunch, use_private_torch_extensions
+    """Once the config passed."""
+    from parallama.runtime.launch import use_private_torch_extensions
 
     use_private_torch_extensions()
-    patch_ddp_relaunch()
     # parallama's data module restores the position inside the epoch itself (TextDataModule.state_dict), so
     # Lightning's warning that the loader "is not resumable" does not apply.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

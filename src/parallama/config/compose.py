@@ -10,6 +10,7 @@ what a composed config must satisfy.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -40,13 +41,17 @@ OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 # The jobs (their override lists) that `preflight` checked in this process: a tool need not check them again.
 _CHECKED: set[tuple[str, ...]] = set()
+# Set for the ranks a run starts itself (runtime/launch.py): the rank that started them checked their job.
+CHECKED_ENV = "PARALLAMA_CONFIG_CHECKED"
 
 
 def already_checked(cfg: DictConfig) -> bool:
-    """Whether `preflight` checked the running Hydra job's config (a job whose values a sweeper draws as it
-    starts, e.g. Optuna's, was not)."""
+    """Whether the running Hydra job's config was checked: by `preflight` in this process (a job whose values a
+    sweeper draws as it starts, e.g. Optuna's, was not), or by the rank that started this one."""
     from hydra.core.hydra_config import HydraConfig
 
+    if os.environ.get(CHECKED_ENV):
+        return True
     if not HydraConfig.initialized():
         return False
     return tuple(HydraConfig.get().overrides.task) in _CHECKED
@@ -64,7 +69,10 @@ def preflight(
     A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
     their first value. `--cfg` only prints: the config may still lack required values or name GPUs that this
     machine does not have (`check(cfg, hardware=False)`). `--config-dir DIR` searches DIR too, as Hydra does.
+    The ranks a run starts itself are not checked again (`CHECKED_ENV`).
     """
+    if os.environ.get(CHECKED_ENV):
+        return
     overrides, printing, search = [], False, []
     args = iter(argv)
     for arg in args:

@@ -38,6 +38,7 @@ class Parallelism:
     name: ClassVar[str]
     checkpoint_format: ClassVar[str] = "file"
     memory_profiles: ClassVar[tuple] = ()  # parallel.plan.MemoryProfile
+    reruns_the_command: ClassVar[bool] = True  # its ranks run this job's command (not spawned by Lightning)
     _universal_loaded = False
 
     # --- the device mesh --------------------------------------------------------------------------------
@@ -49,6 +50,12 @@ class Parallelism:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims.resolve(self.world_size, **self.layout())
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        """Lightning's question (for a loader it would shard itself): the data-parallel replicas, not the ranks."""
+        dims = self.dims
+        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank(self.global_rank)}
 
     @property
     def mesh(self):

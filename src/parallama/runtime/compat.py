@@ -1,13 +1,16 @@
-"""Every place parallama relies on a private internal of Lightning, torch or DeepSpeed, with why and where.
+"""Every private internal of Lightning, torch or DeepSpeed that parallama relies on, each with why, the versions it
+was checked against and the public route that would retire it. Nothing private is touched anywhere else.
 
-Private names change without notice between releases. `check_internals()` runs before training and refuses,
-in one line naming the installed version, a Lightning/torch/DeepSpeed that lacks one of them, instead of an
-AttributeError deep inside a run (or, for a patched function, a patch that silently does nothing). Code
-elsewhere calls the functions below; subclasses that override a private hook list it in INTERNALS.
+Private names change without notice between releases. `check_internals()` runs before training and refuses, in
+one line naming the installed version, a library that lacks one (or, for a function parallama bypasses, whose
+source changed), instead of an AttributeError deep inside a run. tests/unit/test_compat.py runs the same check and
+tests/ exercise each internal (DCP reading: test_untrusted; the ZeRO ones: test_zero_state, test_universal_resume;
+DeepSpeed on CPU: every deepspeed run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import inspect
@@ -25,191 +28,124 @@ TESTED = {"lightning": "2.6.6", "torch": "2.13.0", "deepspeed": "0.19.8"}  # pyp
 @dataclass(frozen=True)
 class Internal:
     module: str
-    name: str  # attribute path inside the module (a.b for a class attribute)
+    names: tuple[str, ...]  # attribute paths inside the module (a.b for a class attribute)
     why: str
+    waits_for: str  # the public route that would replace it
     upstream: str
+    source_sha: str = ""  # for a function parallama relies on the body of: a digest of its source
+
+    @property
+    def package(self) -> str:
+        return self.module.split(".")[0]
 
 
-LIGHTNING = "https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.0/src/lightning"
+LIGHTNING = "https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.6/src/lightning"
+DEEPSPEED = "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed"
 INTERNALS = [
     Internal(
-        "lightning.pytorch.trainer.connectors.signal_connector",
-        "_SignalConnector._sigterm_notifier_fn",
-        "Lightning's SIGTERM notifier broadcasts from inside the signal handler, which deadlocks ranks that are "
-        "in another collective; PreemptionCheckpoint registers its own in its place",
-        f"{LIGHTNING}/pytorch/trainer/connectors/signal_connector.py",
-    ),
-    Internal(
-        "lightning.pytorch.strategies.launchers.subprocess_script",
-        "_hydra_subprocess_cmd",
-        "ddp re-runs sys.argv for ranks > 0; under a Hydra sweep that re-runs the sweep: each rank must run "
-        "exactly its parent's job (launch.ddp_child_command)",
-        f"{LIGHTNING}/pytorch/strategies/launchers/subprocess_script.py",
-    ),
-    Internal(
-        "lightning.fabric.strategies.launchers.subprocess_script",
-        "_hydra_subprocess_cmd",
-        "the same function, imported by name into the Fabric launcher",
-        f"{LIGHTNING}/fabric/strategies/launchers/subprocess_script.py",
-    ),
-    Internal(
-        "lightning.pytorch.strategies.launchers.subprocess_script",
-        "_launch_process_observer",
-        "Lightning's observer SIGKILLs rank 0 without a word when a rank dies; faults.watch_ranks replaces it",
-        f"{LIGHTNING}/pytorch/strategies/launchers/subprocess_script.py",
-    ),
-    Internal(
-        "lightning.pytorch.strategies.deepspeed",
-        "DeepSpeedStrategy._init_config_if_needed",
-        "whether optimizer offload is on is known only once Lightning has formatted the DeepSpeed config",
-        f"{LIGHTNING}/pytorch/strategies/deepspeed.py",
-    ),
-    Internal(
-        "lightning.pytorch.strategies.model_parallel",
-        "ModelParallelStrategy._data_parallel_size",
-        "Lightning sets the data-parallel size to the node count on 'auto'; FSDP shards over all ranks",
-        f"{LIGHTNING}/pytorch/strategies/model_parallel.py",
-    ),
-    Internal(
-        "lightning.pytorch.callbacks.model_checkpoint",
-        "ModelCheckpoint._save_last_checkpoint",
-        "LastCheckpoint saves last.ckpt every N steps and/or every T (Lightning takes one of them)",
-        f"{LIGHTNING}/pytorch/callbacks/model_checkpoint.py",
-    ),
-    Internal(
-        "lightning.pytorch.callbacks.model_checkpoint",
-        "ModelCheckpoint._should_skip_saving_checkpoint",
-        "LastCheckpoint skips what ModelCheckpoint skips (fast_dev_run, a step saved already)",
-        f"{LIGHTNING}/pytorch/callbacks/model_checkpoint.py",
-    ),
-    Internal(
-        "lightning.pytorch.callbacks.model_checkpoint",
-        "ModelCheckpoint._monitor_candidates",
-        "the metrics LastCheckpoint's file name may use, as ModelCheckpoint gathers them",
-        f"{LIGHTNING}/pytorch/callbacks/model_checkpoint.py",
-    ),
-    Internal(
-        "lightning.pytorch.loggers.csv_logs",
-        "ExperimentWriter._rewrite_with_new_header",
-        "Lightning's CSV writer drops the columns it did not log itself; AppendingCSVLogger keeps the history",
-        f"{LIGHTNING}/fabric/loggers/csv_logs.py",
-    ),
-    Internal(
-        "lightning.pytorch.loggers.csv_logs",
-        "ExperimentWriter._check_log_dir_exists",
-        "Lightning's CSV writer deletes an existing metrics.csv; AppendingCSVLogger appends to it",
-        f"{LIGHTNING}/fabric/loggers/csv_logs.py",
-    ),
-    Internal(
-        "torch.distributed.checkpoint.default_planner",
-        "_EmptyStateDictLoadPlanner",
-        "reads a whole DCP folder without knowing its keys (torch's own dcp_to_torch_save uses it)",
-        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/checkpoint/format_utils.py",
-    ),
-    Internal(
-        "torch.distributed.checkpoint.state_dict_loader",
-        "_load_state_dict",
-        "the load that fills an empty state dict with everything (dcp.load only fills the keys it is given)",
-        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/checkpoint/format_utils.py",
-    ),
-    Internal(
         "torch.distributed.checkpoint.filesystem",
-        "_StorageInfo",
-        "a type inside DCP's .metadata pickle: allow-listed for weights-only reading",
+        ("_StorageInfo",),
+        "DCP's `.metadata` is a plain pickle, which torch reads with full pickle: parallama reads it with a "
+        "restricted unpickler that allows only the types it holds, among them these private ones (with "
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING and torch.serialization._get_layout)",
+        "torch reading `.metadata` weights-only (or a public list of its safe globals)",
         "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/checkpoint/filesystem.py",
     ),
     Internal(
-        "torch.distributed.checkpoint.metadata",
-        "_MEM_FORMAT_ENCODING",
-        "a type inside DCP's .metadata pickle: allow-listed for weights-only reading",
-        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/checkpoint/metadata.py",
-    ),
-    Internal(
-        "torch.serialization",
-        "_get_layout",
-        "rebuilds a torch.layout inside DCP's .metadata pickle: allow-listed for weights-only reading",
-        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/serialization.py",
+        "lightning.pytorch.strategies.deepspeed",
+        ("DeepSpeedStrategy.setup_environment",),
+        "Lightning refuses DeepSpeed without CUDA, though DeepSpeed runs on CPU: on CPU parallama runs "
+        "DDPStrategy.setup_environment in its place, which is right only while DeepSpeed's adds nothing but the "
+        "CUDA check (its source is compared)",
+        "DeepSpeedStrategy accepting the CPU accelerator",
+        f"{LIGHTNING}/pytorch/strategies/deepspeed.py",
+        source_sha="d8046a5e",
     ),
 ]
 DEEPSPEED_INTERNALS = [
     Internal(
         "deepspeed.runtime.zero.stage_1_and_2",
-        "DeepSpeedZeroOptimizer.clip_grad",
+        ("DeepSpeedZeroOptimizer.clip_grad",),
         "ZeRO-1/2 restore the gradient clipping of the run that wrote a checkpoint over the running config's",
-        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/zero/stage_1_and_2.py",
+        "DeepSpeed's load_checkpoint keeping the running engine's gradient_clipping",
+        f"{DEEPSPEED}/runtime/zero/stage_1_and_2.py",
     ),
     Internal(
-        "deepspeed.comm.comm",
-        "cdb",
-        "DeepSpeed caches its process groups here; a sweep's next job must not reuse the finished job's",
-        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/comm/comm.py",
+        "deepspeed.utils.zero_to_fp32",
+        ("_get_fp32_state_dict_from_zero2_checkpoint", "_get_fp32_state_dict_from_zero3_checkpoint"),
+        "reading a ZeRO checkpoint's AdamW moments as full tensors: the public get_fp32_state_dict_from_zero_"
+        "checkpoint merges only the fp32 weights, with these merges, which parallama runs on the moments too",
+        "a public merge of any flat state (or DeepSpeed's universal checkpoint for ZeRO-1/2/3 and CPU)",
+        f"{DEEPSPEED}/utils/zero_to_fp32.py",
+    ),
+    Internal(
+        "deepspeed.runtime.zero.stage_1_and_2",
+        ("DeepSpeedZeroOptimizer.single_partition_of_fp32_groups", "DeepSpeedZeroOptimizer.bit16_groups"),
+        "the flat fp32 partitions that key a running ZeRO optimizer's AdamW state (ZeRO-3: "
+        "fp32_partitioned_groups_flat, fp16_groups, sub_group_to_group_id; BF16_Optimizer: "
+        "fp32_groups_flat_partition, bf16_groups): to create that state before the first step and read its "
+        "step count when resuming another strategy's checkpoint, as DeepSpeed's own universal loader does",
+        "a public API for a running engine's optimizer state by parameter, step count included",
+        f"{DEEPSPEED}/runtime/base_optimizer.py",
     ),
 ]
 
 
-def _lookup(internal: Internal) -> None:
-    """Raises if the internal is gone: a module or class attribute, or an instance attribute that the class's
-    source assigns (`self.<name> =`)."""
-    obj = importlib.import_module(internal.module)
-    parts = internal.name.split(".")
-    for i, part in enumerate(parts):
-        if not hasattr(obj, part) and i == len(parts) - 1 and isinstance(obj, type):
-            if f"self.{part} =" not in inspect.getsource(obj):
-                raise AttributeError(part)
-            return
-        obj = getattr(obj, part)
+def _missing(internal: Internal) -> str | None:
+    """What is gone or changed of an internal ("has no X" / "has a changed X"), None if all is in place: a module
+    or class attribute, an instance attribute that the class's source assigns (`self.<name> =`), or a function
+    whose source no longer has the recorded digest."""
+    try:
+        module = importlib.import_module(internal.module)
+    except ImportError:
+        return f"has no {internal.module}"
+    for name in internal.names:
+        obj = module
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+            elif i == len(parts) - 1 and isinstance(obj, type) and f"self.{part} =" in inspect.getsource(obj):
+                break
+            else:
+                return f"has no {internal.module}.{name}"
+        if internal.source_sha and source_digest(obj) != internal.source_sha:
+            return f"has a changed {internal.module}.{name}"
+    return None
+
+
+def source_digest(obj) -> str:
+    source = "\n".join(line.strip() for line in inspect.getsource(obj).splitlines() if line.strip())
+    return hashlib.sha256(source.encode()).hexdigest()[:8]
 
 
 def check_internals(deepspeed: bool = False) -> None:
-    """One line if an installed library lacks an internal parallama relies on (see INTERNALS)."""
+    """One line if an installed library lacks (or changed) an internal parallama relies on (see INTERNALS)."""
     for internal in INTERNALS + (DEEPSPEED_INTERNALS if deepspeed else []):
-        try:
-            _lookup(internal)
-        except (ImportError, AttributeError):
-            package = internal.module.split(".")[0]
-            installed = importlib.metadata.version(package)
+        if (what := _missing(internal)) is not None:
+            package = internal.package
             raise ConfigError(
-                f"{package} {installed} has no {internal.module}.{internal.name}, which parallama needs "
+                f"{package} {importlib.metadata.version(package)} {what}, which parallama relies on "
                 f"({internal.why}); install {package}=={TESTED[package]} (pyproject.toml's pin) or update "
-                f"src/parallama/runtime/compat.py"
-            ) from None
+                "src/parallama/runtime/compat.py"
+            )
 
 
 # --- the touches themselves -----------------------------------------------------------------------------
 
 
-def set_sigterm_notifier(trainer, handler) -> None:
-    """Lightning registers (and later restores) `_sigterm_notifier_fn` at fit start: make `handler` the one."""
-    trainer._signal_connector._sigterm_notifier_fn = handler
+def dcp_metadata_private_types() -> list:
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return [filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, torch.serialization._get_layout]
 
 
-def replace_hydra_subprocess_cmd(command_fn) -> None:
-    """The command ddp uses to start ranks > 0 under Hydra; both launchers import it by name."""
-    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
-    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+def setup_deepspeed_environment_on_cpu(strategy) -> None:
+    """DeepSpeedStrategy.setup_environment minus its CUDA check: the DDP setup under it."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    fabric_launcher._hydra_subprocess_cmd = command_fn
-    pytorch_launcher._hydra_subprocess_cmd = command_fn
-
-
-def disable_process_observer() -> None:
-    from lightning.pytorch.strategies.launchers import subprocess_script
-
-    subprocess_script._launch_process_observer = lambda procs: None
-
-
-def launched_processes(strategy) -> list:
-    """The Popen objects of the ranks this process started (`launcher.procs`, public but undocumented)."""
-    return getattr(getattr(strategy, "launcher", None), "procs", [])
-
-
-def deepspeed_config(strategy) -> dict:
-    strategy._init_config_if_needed()
-    return strategy.config
-
-
-def use_all_ranks_for_data_parallel(strategy) -> None:
-    strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+    super(DeepSpeedStrategy, strategy).setup_environment()
 
 
 def keep_configured_gradient_clipping(engine) -> None:
@@ -222,42 +158,7 @@ def keep_configured_gradient_clipping(engine) -> None:
         zero.clip_grad = engine.gradient_clipping()
 
 
-def destroy_deepspeed_groups() -> bool:
-    """Close the process group through DeepSpeed when it made it (it also drops the groups it cached)."""
-    import sys
-
-    ds_comm = sys.modules.get("deepspeed.comm.comm")
-    if ds_comm is None or ds_comm.cdb is None:
-        return False
-    ds_comm.destroy_process_group()
-    return True
-
-
-def load_whole_dcp(storage_reader) -> dict:
-    """Everything in a DCP folder, nested as it was saved, in this one process (as dcp_to_torch_save)."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
-
-
-def dcp_metadata_private_types() -> list:
-    import torch
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    return [filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, torch.serialization._get_layout]
-
-
-# --- DeepSpeed's ZeRO internals (for parallel/zero_state.py) ------------------------------------------------------------------------------------
-# DeepSpeed has no public API for (a) merging anything but the fp32 weights of a checkpoint (its public
-# get_fp32_state_dict_from_zero_checkpoint drops the moments on reading), nor (b) for the flat fp32 partitions
-# that key its base optimizer's state (needed to create that state before the first step, as DeepSpeed's own
-# universal-checkpoint loader does, and to read the step count). Both are here:
-# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/utils/zero_to_fp32.py
-# https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/base_optimizer.py
-#   (load_hp_checkpoint_state_from_checkpoint_dir)
+# --- DeepSpeed's ZeRO internals (for checkpoint/zero.py) ---------------------------------------------------------
 
 
 def deepspeed_changed(what: str) -> RuntimeError:

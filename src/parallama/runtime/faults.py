@@ -16,13 +16,17 @@ import time
 
 from parallama.checkpoint.resume import last_checkpoint_note
 from parallama.errors import ConfigError
-from parallama.runtime import compat
+from parallama.runtime.launch import started_ranks
 
 log = logging.getLogger("parallama")
 
 EXIT_RANK_DIED = 4
 # How gloo (and the TCP store) report a peer whose process is gone.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+class RankDied(RuntimeError):
+    """Another rank of the run is gone; the message is the one line that names it (`lost_rank`)."""
 
 
 class Preempted(Exception):
@@ -50,8 +54,8 @@ def check_multi_node(num_nodes: int) -> None:
 class _RankWatch(threading.Thread):
     """Notices a dead rank while the trainer runs, and ends this process if its main thread does not.
 
-    The local rank 0 polls the ranks Lightning started (`launcher.procs`, Popen objects); a rank Lightning
-    started knows its parent is the node's local rank 0. Normally the main thread ends first, on the peer-loss
+    The local rank 0 polls the ranks it started (`launch.started_ranks`, Popen objects); a rank it started
+    knows its parent is the node's local rank 0. Normally the main thread ends first, on the peer-loss
     error of its next collective (`lost_rank`); a collective that never fails (NCCL) is ended after `grace`.
     """
 
@@ -67,7 +71,7 @@ class _RankWatch(threading.Thread):
 
     def dead_rank(self) -> str | None:
         trainer = self.trainer
-        for i, proc in enumerate(compat.launched_processes(trainer.strategy)):
+        for i, proc in enumerate(started_ranks()):
             how = _exit_of(proc.pid)
             if how is not None:
                 return f"rank {trainer.global_rank + i + 1} died ({how})"
@@ -90,7 +94,7 @@ class _RankWatch(threading.Thread):
                 time.sleep(self.grace)
                 if self.reported.acquire(blocking=False):
                     log.error(self.line(who))
-                for proc in compat.launched_processes(self.trainer.strategy):
+                for proc in started_ranks():
                     proc.kill()
                 os._exit(EXIT_RANK_DIED)
 
@@ -114,9 +118,9 @@ _watch: _RankWatch | None = None
 
 
 def watch_ranks(trainer, output_dir: str) -> None:
-    """Watch this run's ranks, in place of Lightning's observer (which SIGKILLs rank 0 without a word)."""
+    """Watch this run's ranks (Lightning's own observer, which SIGKILLs rank 0 without a word, watches only the
+    ranks Lightning starts, and parallama starts them itself)."""
     global _watch
-    compat.disable_process_observer()
     stop_watching()
     _watch = _RankWatch(trainer, output_dir)
     _watch.start()

@@ -1,27 +1,62 @@
-"""How ranks are started.
+"""How the ranks of a run are started, and how the jobs of a sweep stay apart.
 
-Lightning's `ddp` starts ranks > 0 by re-running `sys.argv`. Under a Hydra sweep (`-m a=1,2`) that re-runs the
-whole sweep in every child, and under the Optuna sweeper every child runs its own study with other
-hyper-parameters. `patch_ddp_relaunch` makes each child run exactly its parent's job instead: the job's own
-overrides, in the job's own directory, never in multirun mode. `JobIsolation` (a Hydra callback, see
-conf/hydra/default.yaml) closes each job's process group and environment so that the next job of a sweep starts
-its own ranks instead of joining the finished job's.
+A multi-process run that no launcher started (torchrun, SLURM, ...) starts its other ranks on this node itself,
+as Lightning's launcher would, but each runs exactly this job: the job's own overrides, in the job's own
+directory, never in multirun mode (Lightning re-runs `sys.argv`, which under a Hydra sweep re-runs the whole
+sweep in every child, and under the Optuna sweeper has every child run its own study). The ranks learn their
+place from the environment (`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR/PORT`, `NODE_RANK`), Lightning's public
+contract for processes started outside it. `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
+closes each job's process group and environment so that the next job of a sweep starts its own ranks instead of
+joining the finished job's.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from parallama.config.compose import CHECKED_ENV
 
-def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
+_ranks: list[subprocess.Popen] = []  # the ranks this process started for the job under way
+
+
+def needs_launch(processes_per_node: int) -> bool:
+    """Whether this process must start this node's other ranks: more than one, and nobody started them (a
+    launcher sets LOCAL_RANK, torchrun TORCHELASTIC_RUN_ID, a scheduler its own variables)."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    if processes_per_node < 2 or "LOCAL_RANK" in os.environ:
+        return False
+    environments = (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment)
+    return not any(env.detect() for env in environments)
+
+
+def start_ranks(processes_per_node: int, num_nodes: int) -> None:
+    """Start local ranks 1.. of this node, each running this Hydra job, and make this process local rank 0."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd
 
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("NODE_RANK", "0")
+    os.environ["WORLD_SIZE"] = str(processes_per_node * num_nodes)
+    os.environ["LOCAL_RANK"] = "0"
+    if "OMP_NUM_THREADS" not in os.environ:  # the cores shared out, as Lightning and torchrun do
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // processes_per_node)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     hc = HydraConfig.get()
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)  # `python -m <module>`; else a script or a console script
@@ -34,23 +69,25 @@ def ddp_child_command(local_rank: int) -> tuple[list[str], str]:
         if source.provider == "command-line":  # a --config-dir the user gave
             command += ["--config-dir", source.path]
     command += ["--config-name", hc.job.config_name, *hc.overrides.task]
-    command += [
-        f'hydra.run.dir="{hc.runtime.output_dir}"',
-        f"hydra.job.name=train_ddp_process_{local_rank}",
-        "hydra.output_subdir=null",
-        "hydra.mode=RUN",  # a search preset may set MULTIRUN
-    ]
-    return command, get_original_cwd()
+    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"]
+    command += ["hydra.mode=RUN"]  # a search preset may set MULTIRUN
+    _ranks.clear()
+    for local_rank in range(1, processes_per_node):
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), CHECKED_ENV: "1"}  # the job was checked here
+        rank_command = [*command, f"hydra.job.name=train_ddp_process_{local_rank}"]
+        _ranks.append(subprocess.Popen(rank_command, env=env, cwd=get_original_cwd()))
 
 
-def patch_ddp_relaunch() -> None:
-    from parallama.runtime.compat import replace_hydra_subprocess_cmd
+def started_ranks() -> list[subprocess.Popen]:
+    """The ranks this process started for the job under way."""
+    return list(_ranks)
 
-    replace_hydra_subprocess_cmd(ddp_child_command)
 
-
-# Set in os.environ by Lightning's launchers (and WANDB_MODE by its offline WandbLogger) for the job under way.
-JOB_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "WANDB_MODE")
+# Set in os.environ for the job under way: by `start_ranks`, a launcher, or W&B's offline logger (WANDB_MODE).
+JOB_ENV = (
+    *("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE"),
+    *("OMP_NUM_THREADS", "WANDB_MODE"),
+)
 
 
 class JobIsolation(Callback):
@@ -71,9 +108,10 @@ class JobIsolation(Callback):
     def on_job_end(self, config, job_return, **kwargs) -> None:
         import torch.distributed as dist
 
-        from parallama.runtime.compat import destroy_deepspeed_groups
-
-        if dist.is_available() and dist.is_initialized() and not destroy_deepspeed_groups():
+        deepspeed_comm = sys.modules.get("deepspeed.comm")  # DeepSpeed caches the groups it made: close them
+        if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+            deepspeed_comm.destroy_process_group()
+        elif dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for key, value in self.environ.items():
             if value is None:

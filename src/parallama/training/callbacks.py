@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor
+from lightning.pytorch.trainer.states import TrainerFn
 
 from parallama.parallel import data_parallel
-from parallama.runtime import compat
 from parallama.runtime.faults import Preempted
 from parallama.training.module import ends_the_run
 
@@ -54,20 +54,23 @@ class PreemptionCheckpoint(Callback):
     all_reduce (MAX), so a signal to any one rank stops all of them at the same step, and every rank takes
     part in saving (DeepSpeed and FSDP checkpoints are collective). Then every rank raises `Preempted`: no
     validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
-    handler is replaced: it broadcasts from inside the handler, which deadlocks ranks that are in another
-    collective. A SLURM requeue signal (`SLURMEnvironment(auto_requeue=True)`) stays Lightning's. Failures
-    (a NaN loss, a crash) do not save: they must not overwrite good weights.
+    handler is replaced once the loop starts (it broadcasts from inside the handler, which deadlocks ranks that
+    are in another collective); from `setup` until Lightning registers its own, this one is in place. A SLURM
+    requeue signal (`SLURMEnvironment(auto_requeue=True)`) stays Lightning's. Failures (a NaN loss, a crash) do
+    not save: they must not overwrite good weights.
     """
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
         self.path = str(Path(dirpath) / f"{filename}.ckpt")
         self.received = 0  # the signal number, once one came
         self._previous: dict[int, object] = {}
+        self._sigterm_before_lightning = None
         self._checked_step: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """SIGTERM: Lightning registers (and later restores) its notifier; make ours the one it registers."""
-        compat.set_sigterm_notifier(trainer, self._record)
+        """Before Lightning registers its SIGTERM handler: remember what to restore, and record a SIGTERM now."""
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm_before_lightning = signal.signal(signal.SIGTERM, self._record)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._install(trainer)
@@ -76,14 +79,17 @@ class PreemptionCheckpoint(Callback):
         self._install(trainer)
 
     def _install(self, trainer) -> None:
-        """SIGUSR1 and SIGINT, after Lightning's registration (its teardown would otherwise restore ours)."""
+        """SIGTERM, SIGUSR1 and SIGINT, after Lightning's registration (its teardown would otherwise restore
+        ours); SIGTERM goes back to what it was before Lightning's."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
         env = getattr(trainer.strategy, "cluster_environment", None)  # none for a single device
         requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
-        for signum in (signal.SIGUSR1, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             if signum != requeue:
                 self._previous[signum] = signal.signal(signum, self._record)
+        if signal.SIGTERM in self._previous and self._sigterm_before_lightning is not None:
+            self._previous[signal.SIGTERM] = self._sigterm_before_lightning
 
     def _record(self, signum: int, frame) -> None:
         self.received = self.received or signum
@@ -113,12 +119,13 @@ class PreemptionCheckpoint(Callback):
         self._previous = {}
 
 
-class LastCheckpoint(ModelCheckpoint):
-    """`last.ckpt` every N optimizer steps and/or every T, and always after the run's last step.
+class LastCheckpoint(Checkpoint):
+    """`last.ckpt` every N optimizer steps and/or every T, and always after the run's last step (the resume point,
+    whatever validation does; Lightning's ModelCheckpoint takes N or T, not both).
 
     The last step is saved from the step itself, like the periodic saves, and not after the loop ends: by then
     Lightning has counted the epoch as finished, so extending the run (a higher max_steps) would skip the rest
-    of the epoch. Lightning's ModelCheckpoint takes N or T, not both: T is kept here.
+    of the epoch. Like ModelCheckpoint it writes nothing under fast_dev_run or outside `fit`, and a step once.
     """
 
     def __init__(
@@ -126,33 +133,40 @@ class LastCheckpoint(ModelCheckpoint):
         dirpath: str,
         every_n_train_steps: int | None = None,
         train_time_interval: timedelta | None = None,
-    ):
-        super().__init__(
-            dirpath=dirpath,
-            monitor=None,
-            save_top_k=0,
-            save_last=True,
-            enable_version_counter=False,  # always last.ckpt, even if the interval changed since the last run
-            every_n_train_steps=every_n_train_steps,
-        )
+        filename: str = "last",
+    ) -> None:
+        self.path = str(Path(dirpath) / f"{filename}.ckpt")
+        self.every_n_train_steps = every_n_train_steps
         self.time_interval = train_time_interval
+        self.saved_step: int | None = None  # the step of the last save (None: none yet)
+        self._started_at_step: int | None = (
+            None  # nothing to save before a step (a resume's is saved already)
+        )
         self._last_saved_at = time.monotonic()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._started_at_step, self._last_saved_at = trainer.global_step, time.monotonic()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._should_skip_saving_checkpoint(trainer):  # fast_dev_run, or this step is saved already
+        if not self._may_save(trainer):
             return
-        due = False
+        n = self.every_n_train_steps
+        due = bool(n) and trainer.global_step % n == 0
         if self.time_interval is not None:  # rank 0's clock decides, so that every rank saves
-            due = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
-            due = trainer.strategy.broadcast(due)
+            late = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
+            due = trainer.strategy.broadcast(late) or due
         if due or ends_the_run(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def _save_last_checkpoint(self, trainer, monitor_candidates) -> None:
-        super()._save_last_checkpoint(trainer, monitor_candidates)
-        self._last_saved_at = time.monotonic()
+            self._save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self._should_skip_saving_checkpoint(trainer):  # e.g. stopped early by a callback
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self._may_save(trainer):  # e.g. stopped early by a callback
+            self._save(trainer)
+
+    def _may_save(self, trainer) -> bool:
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        new_step = trainer.global_step not in (self.saved_step, self._started_at_step)
+        return fitting and not trainer.fast_dev_run and new_step
+
+    def _save(self, trainer) -> None:
+        trainer.save_checkpoint(self.path)
+        self.saved_step, self._last_saved_at = trainer.global_step, time.monotonic()

@@ -12,13 +12,14 @@ import csv
 import logging
 import netrc
 import os
+from argparse import Namespace
 from urllib.parse import urlparse
 
 import lightning as L
-from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
+from torch import Tensor
 
 from parallama.checkpoint.formats import client_state
 from parallama.errors import ConfigError
@@ -28,38 +29,80 @@ MODES = ("auto", "online", "offline", "disabled")
 RUN_ID_KEY = "wandb_run_id"
 
 
-class _AppendingWriter(ExperimentWriter):
-    """Lightning's writer deletes an existing metrics.csv, and when new columns appear it rewrites the file
-    with only the columns it logged itself. A resumed run then erased its history, and under ddp_spawn the
-    fit's workers (which never saw the validate workers' `val/*` columns) crashed on the rewrite.
-    This one keeps the file and starts from its header, so every process appends to one history."""
+class AppendingCSVLogger(Logger):
+    """`<save_dir>/<name>/<version>/metrics.csv` (and `hparams.yaml`) that a resumed run, or another process of the
+    same run (ddp_spawn's validate and fit workers), appends to; a new column rewrites the file with the union
+    of the columns. Lightning's CSVLogger deletes an existing metrics.csv and keeps only the columns it logged
+    itself. Rows past a resumed checkpoint's step appear twice; the later row is the resumed run's."""
 
-    def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                self.metrics_keys = sorted(set(self.metrics_keys) | set(next(csv.reader(file), [])))
-
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        self._check_log_dir_exists()  # another process may have added columns since
-        super()._rewrite_with_new_header(self.metrics_keys)
-
-    def save(self) -> None:
-        if self.metrics and self._fs.isfile(self.metrics_file_path):
-            self._check_log_dir_exists()
-        super().save()
-
-
-class AppendingCSVLogger(CSVLogger):
-    """`metrics.csv` that a resumed run appends to (rows past the checkpoint's step then appear twice; the
-    later row is the resumed run's)."""
+    def __init__(
+        self, save_dir: str, name: str = "csv", version: str = "", flush_logs_every_n_steps: int = 100
+    ):
+        super().__init__()
+        self._save_dir, self._name, self._version = save_dir, name, version
+        self.flush_logs_every_n_steps = flush_logs_every_n_steps
+        self.rows: list[dict] = []
+        self.hparams: dict = {}
 
     @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name, self._version)
+
+    @property
+    def metrics_file(self) -> str:
+        return os.path.join(self.log_dir, "metrics.csv")
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+        self.hparams.update(vars(params) if isinstance(params, Namespace) else dict(params))
+        os.makedirs(self.log_dir, exist_ok=True)
+        save_hparams_to_yaml(os.path.join(self.log_dir, "hparams.yaml"), self.hparams)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        row = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        self.rows.append({**row, "step": len(self.rows) if step is None else step})
+        if step is not None and (step + 1) % self.flush_logs_every_n_steps == 0:
+            self.save()
+
+    @rank_zero_only
+    def save(self) -> None:
+        if not self.rows:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        old_rows, old_keys = [], []
+        if os.path.isfile(self.metrics_file):
+            with open(self.metrics_file, newline="") as file:
+                reader = csv.DictReader(file)
+                old_keys, old_rows = list(reader.fieldnames or []), list(reader)
+        keys = sorted(set(old_keys).union(*self.rows))
+        if keys == old_keys:  # the usual case: append
+            with open(self.metrics_file, "a", newline="") as file:
+                csv.DictWriter(file, fieldnames=keys).writerows(self.rows)
+        else:
+            with open(self.metrics_file, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows([*old_rows, *self.rows])
+        self.rows = []
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()
 
 
 def wandb_api_key_configured() -> bool:

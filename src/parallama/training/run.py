@@ -42,6 +42,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
+    from parallama.parallel import Parallelism
+    from parallama.parallel.dims import processes_per_node
+    from parallama.runtime.launch import needs_launch, start_ranks
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
 
@@ -74,12 +77,16 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint_io.py);
+    # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);
     # other plugins (launcher=slurm's SLURMEnvironment) are kept.
     plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
+    strategy = hydra.utils.instantiate(cfg.strategy)
+    processes = processes_per_node(cfg.trainer.devices, cfg.trainer.accelerator)
+    if isinstance(strategy, Parallelism) and strategy.reruns_the_command and needs_launch(processes):
+        start_ranks(processes, cfg.trainer.num_nodes)  # after the tokenizer exists: the ranks read it
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        strategy=hydra.utils.instantiate(cfg.strategy),
+        strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins,
@@ -169,18 +176,20 @@ def print_config(cfg: DictConfig) -> None:
 def report(trainer, output_dir: str, sample: str | None) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from parallama.training.callbacks import LastCheckpoint
+
     if trainer.global_rank != 0:
         return
     lines = [f"output dir:      {output_dir}"]
     for ckpt in trainer.checkpoint_callbacks:
-        if not isinstance(ckpt, ModelCheckpoint):
-            continue
-        if ckpt.monitor:
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor:
             lines.append(
                 f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
             )
-        if ckpt.last_model_path:
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.last_model_path:
             lines.append(f"last checkpoint: {ckpt.last_model_path}")
+        if isinstance(ckpt, LastCheckpoint) and ckpt.saved_step is not None:
+            lines.append(f"last checkpoint: {ckpt.path}")
     for logger in trainer.loggers:
         lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}

@@ -46,6 +46,7 @@ class DDPSpawn(DDP):
 
     name = "ddp_spawn"
     memory_profiles = ()
+    reruns_the_command = False
 
     def __init__(self, **kwargs) -> None:
         super().__init__(start_method="spawn", **kwargs)

@@ -57,13 +57,13 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         if self.root_device.type == "cpu":
             _say_if_ops_will_build(self.local_rank)
             self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
-            super(DeepSpeedStrategy, self).setup_environment()  # skip only DeepSpeedStrategy's CUDA check
+            compat.setup_deepspeed_environment_on_cpu(self)  # skip only DeepSpeedStrategy's CUDA check
         else:
             super().setup_environment()
 
     @property
     def offload_optimizer(self) -> bool:
-        return "offload_optimizer" in compat.deepspeed_config(self).get("zero_optimization", {})
+        return "offload_optimizer" in self.config.get("zero_optimization", {})
 
     # --- the model --------------------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
     # --- checkpoints ------------------------------------------------------------------------------------
 
     def checkpoint_info(self, module) -> dict:
-        zero = compat.deepspeed_config(self).get("zero_optimization", {})
+        zero = self.config.get("zero_optimization", {})
         return {
             **super().checkpoint_info(module),
             "stage": zero.get("stage"),
@@ -114,7 +114,7 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
     def loads_natively(self, info: dict) -> bool:
         """DeepSpeed reads its ZeRO partitions back only as they were written: same world size, stage, offload
         and precision (checkpoints that predate the precision record are taken as written in this one)."""
-        zero = compat.deepspeed_config(self).get("zero_optimization", {})
+        zero = self.config.get("zero_optimization", {})
         same = info.get("world_size") == self.world_size and info.get("stage") == zero.get("stage")
         same = same and info.get("offload") == self.offload_optimizer
         precision = self.lightning_module.trainer.precision

@@ -17,7 +17,6 @@ from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
 from parallama.parallel.options import FSDPOptions, ParallelizeOptions
 from parallama.parallel.plan import MemoryProfile
-from parallama.runtime import compat
 
 FSDP = "strategy=fsdp"
 
@@ -66,26 +65,31 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         mixed_precision: Literal["bf16", "fp16"] | None = None,
         cpu_offload: bool = False,
         meta_init: bool = False,
+        save_distributed_checkpoint: bool = True,
         **kwargs,
     ) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        # Lightning's own 2-D mesh ("auto": nodes x processes per node) is not used: the mesh that shards the
+        # model is `Parallelism.mesh`, and the data-parallel rank is `dims`'.
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
         if mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError(f"strategy.mixed_precision={mixed_precision!r} is not one of null, bf16, fp16")
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
+        self.save_distributed_checkpoint = save_distributed_checkpoint
 
     @property
     def checkpoint_format(self) -> str:
-        return "dcp" if self._save_distributed_checkpoint else "file"
+        return "dcp" if self.save_distributed_checkpoint else "file"
 
     def layout(self) -> dict[str, int]:
         return {"dp_shard": -1}
-
-    def setup_environment(self) -> None:
-        compat.use_all_ranks_for_data_parallel(self)
-        super().setup_environment()
 
     # --- the model --------------------------------------------------------------------------------------
 

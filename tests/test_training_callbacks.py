@@ -1,0 +1,80 @@
+"""parallama's own callback and logger on Lightning's public API: last.ckpt's schedule, and a CSV history that a
+resumed run (or another process of the run) appends to."""
+
+import csv
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+
+from parallama.training.callbacks import LastCheckpoint
+from parallama.training.loggers import AppendingCSVLogger
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(64, 2), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def saved_steps(tmp_path, max_steps=7, **kwargs) -> list[int]:
+    callback = LastCheckpoint(str(tmp_path), **kwargs.pop("callback", {}))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **kwargs,
+    )
+    saves = []
+    trainer.save_checkpoint = lambda path, *args, **kw: saves.append((path, trainer.global_step))
+    trainer.fit(Tiny())
+    assert all(path == str(tmp_path / "last.ckpt") for path, _ in saves)
+    return [step for _, step in saves]
+
+
+@pytest.mark.parametrize(
+    "callback, kwargs, steps",
+    [
+        ({"every_n_train_steps": 3}, {}, [3, 6, 7]),  # and always the run's last step
+        ({"every_n_train_steps": 3}, {"accumulate_grad_batches": 2}, [3, 6, 7]),  # optimizer steps, once each
+        ({"train_time_interval": timedelta(0)}, {}, [1, 2, 3, 4, 5, 6, 7]),
+        ({"every_n_train_steps": 5, "train_time_interval": timedelta(hours=1)}, {}, [5, 7]),  # N and/or T
+        ({}, {}, [7]),
+        ({"every_n_train_steps": 1}, {"fast_dev_run": 2}, []),  # a smoke test writes nothing
+    ],
+)
+def test_last_checkpoint_is_written_every_n_steps_and_or_every_t_and_at_the_end(tmp_path, callback, kwargs, steps):
+    assert saved_steps(tmp_path, callback=callback, **kwargs) == steps
+
+
+def test_the_csv_history_survives_a_resume_and_new_columns(tmp_path):
+    first = AppendingCSVLogger(str(tmp_path), version="")
+    first.log_hyperparams({"lr": 0.1})
+    first.log_metrics({"train/loss": torch.tensor(2.0)}, step=0)
+    first.log_metrics({"train/loss": 1.5}, step=1)
+    first.finalize("success")
+    resumed = AppendingCSVLogger(str(tmp_path), version="")  # a new process, same run directory
+    resumed.log_metrics({"train/loss": 1.2, "val/loss": 1.4}, step=2)
+    resumed.finalize("success")
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "train/loss", "val/loss"]
+    assert [(r["step"], r["train/loss"], r["val/loss"]) for r in rows] == [
+        ("0", "2.0", ""),
+        ("1", "1.5", ""),
+        ("2", "1.2", "1.4"),
+    ]
+    assert "lr: 0.1" in (tmp_path / "csv" / "hparams.yaml").read_text()

@@ -1,7 +1,9 @@
 """Model families, one folder each: `models/<family>/` holds the family's config (hyper-parameters with Hugging
 Face field names), the model, its Hugging Face conversion and its parallelize plan, and its `__init__` declares
 them in a `ModelSpec` named `SPEC`. A model config (conf/model/*.yaml) names its family with `family: llama`;
-a family outside this package is given by its module path (`family: mypackage.models.gpt`).
+a family outside this package is given by its module path (`family: mypackage.models.gpt`), so a second
+family is one folder (its `__init__` with the config and SPEC, `model.py`, `parallelize.py`, and `hf.py` for
+Hugging Face folders) plus one conf/model file.
 
 What the rest of parallama asks of a family (see models/llama/ for the reference):
 - the config: a dataclass that checks itself when built (ValueError naming the `model.<key>`), with
@@ -12,7 +14,8 @@ What the rest of parallama asks of a family (see models/llama/ for the reference
   `forward(input_ids, attention_mask=None, *, position_ids=None, document_ids=None, input_pos=None,
   kv_cache=None) -> logits`, `init_weights()`, `new_kv_cache(batch, max_len)` (see `models.generation`);
 - `parallelize(model, options)`: apply the strategy's `parallel.ParallelizeOptions` in the documented order;
-- HF conversion: `save_hf_folder`, `load_hf_config`, `load_hf_weights`, and the `hf_model_type` it reads.
+- optionally, HF conversion (export, init_from, generating from an exported folder): `save_hf_folder`,
+  `load_hf_config`, `load_hf_weights`, and the `hf_model_type` of the folders it reads.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class ModelSpec:
     config: type
     model_path: str  # "package.module.Class"
     parallelize_path: str  # "package.module.function"
-    hf_path: str  # a module with save_hf_folder, load_hf_config, load_hf_weights
-    hf_model_type: str  # config.json's model_type of the family's Hugging Face folders
+    hf_path: str | None = None  # a module with save_hf_folder, load_hf_config, load_hf_weights (None: none)
+    hf_model_type: str | None = None  # config.json's model_type of the family's Hugging Face folders
 
     @property
     def model(self) -> type:
@@ -53,6 +56,8 @@ class ModelSpec:
 
     @property
     def hf(self) -> ModuleType:
+        if self.hf_path is None:
+            raise ConfigError(f"model.family={self.family} has no Hugging Face conversion (its SPEC's hf_path)")
         return importlib.import_module(self.hf_path)
 
     def build_config(self, model: Mapping):
@@ -68,21 +73,27 @@ class ModelSpec:
 
 
 def model_spec(model: Mapping) -> ModelSpec:
-    """The spec of the family a model config names (`family`, default llama)."""
+    """The spec of the family a model config names (`family`, default llama): a folder of this package, else
+    a module of that name anywhere on the Python path."""
     family = model.get("family") or DEFAULT_FAMILY
-    module_name = family if "." in family else f"{__name__}.{family}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and not module_name.startswith(err.name):
-            raise  # the family's own import failed: show it
+    module = None
+    for name in [family] if "." in family else [f"{__name__}.{family}", family]:
+        try:
+            module = importlib.import_module(name)
+            break
+        except ModuleNotFoundError as err:
+            if err.name is None or not name.startswith(err.name):
+                raise  # the family's own imports failed: show it
+    if module is None:
         raise ConfigError(
             f"model.family={family} is not a model family; valid: {', '.join(families())} "
             "(or the module path of one outside parallama)"
-        ) from None
+        )
     spec = getattr(module, "SPEC", None)
     if not isinstance(spec, ModelSpec):
-        raise ConfigError(f"model.family={family}: {module_name} has no SPEC (a parallama.models.ModelSpec)")
+        raise ConfigError(
+            f"model.family={family}: {module.__name__} has no SPEC (a parallama.models.ModelSpec)"
+        )
     return spec
 
 

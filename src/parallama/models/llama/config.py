@@ -33,11 +33,14 @@ class LlamaConfig:
         """Fail at config time, naming the Hydra key to fix, not deep inside a forward pass."""
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        for f in fields(self):  # annotations are strings here (from __future__ import annotations)
-            value = getattr(self, f.name)
-            if f.type.startswith("int") and not (type(value) is int and value > 0):
+        for f in fields(self):  # strings here (future annotations), types in a subclass that has none
+            kind, value = (
+                f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""),
+                getattr(self, f.name),
+            )
+            if kind.startswith("int") and not (type(value) is int and value > 0):
                 raise ValueError(f"model.{f.name}={value!r} must be a positive int")
-            if f.type == "float" and not value > 0:
+            if kind == "float" and not value > 0:
                 raise ValueError(f"model.{f.name}={value!r} must be > 0")
         h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
         if h % nh:

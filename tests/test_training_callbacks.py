@@ -56,7 +56,9 @@ def saved_steps(tmp_path, max_steps=7, **kwargs) -> list[int]:
         ({"every_n_train_steps": 1}, {"fast_dev_run": 2}, []),  # a smoke test writes nothing
     ],
 )
-def test_last_checkpoint_is_written_every_n_steps_and_or_every_t_and_at_the_end(tmp_path, callback, kwargs, steps):
+def test_last_checkpoint_is_written_every_n_steps_and_or_every_t_and_at_the_end(
+    tmp_path, callback, kwargs, steps
+):
     assert saved_steps(tmp_path, callback=callback, **kwargs) == steps
 
 

@@ -16,12 +16,9 @@ import math
 from pathlib import Path
 
 import hydra
-import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
-from parallama.checkpoint.read import load_checkpoint, load_state_into, run_config, run_config_path
 from parallama.cli import app
 from parallama.config.checks import Rule, check_values
 from parallama.errors import ConfigError
@@ -61,6 +58,8 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's data with the command line's `data.*` / `data/...` overrides (their composed values) on top."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from parallama.checkpoint.read import run_config, run_config_path
+
     run = run_config(cfg.ckpt_path)
     if run is None or "data" not in run:
         return cfg.data
@@ -82,6 +81,11 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     """`overrides`: the command line's, so that the `data.*` ones apply on top of the run's own data."""
+    import torch
+    import torch.nn.functional as F
+
+    from parallama.checkpoint.read import load_checkpoint, load_state_into
+
     data = data_config(cfg, overrides)
     ckpt = load_checkpoint(cfg.ckpt_path)
     if ckpt.tokenizer_json is not None:  # a stable file name keeps the tokenized-corpus cache key stable

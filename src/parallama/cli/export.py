@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from parallama.checkpoint.read import load_checkpoint
 from parallama.cli import app
 
 
 def export(cfg: DictConfig) -> None:
+    from parallama.checkpoint.read import load_checkpoint
+
     ckpt = load_checkpoint(cfg.ckpt_path)
     ckpt.spec.hf.save_hf_folder(cfg.out_dir, ckpt.state_dict, ckpt.config, ckpt.tokenizer_json)
     note = "" if ckpt.tokenizer_json else " (no tokenizer: the checkpoint predates embedded tokenizers)"

@@ -184,7 +184,7 @@ class TextDataModule(LightningDataModule):
     def _world(self) -> tuple[int, int]:
         """The data-parallel size and this process's rank in it, from the strategy's device mesh (tensor-parallel
         ranks share their data): every use (sampler, position, checks) reads them here."""
-        from parallama.parallel import data_parallel
+        from parallama.parallel.base import data_parallel
 
         return data_parallel(self.trainer)
 

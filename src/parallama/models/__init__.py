@@ -57,7 +57,9 @@ class ModelSpec:
     @property
     def hf(self) -> ModuleType:
         if self.hf_path is None:
-            raise ConfigError(f"model.family={self.family} has no Hugging Face conversion (its SPEC's hf_path)")
+            raise ConfigError(
+                f"model.family={self.family} has no Hugging Face conversion (its SPEC's hf_path)"
+            )
         return importlib.import_module(self.hf_path)
 
     def build_config(self, model: Mapping):

@@ -12,7 +12,3 @@ any strategy is checkpoint/universal.py. A strategy is found through its config:
 whose `_target_` is a Parallelism class is one (`declared_strategies`). Adding a strategy = one class + one
 config file.
 """
-
-from parallama.parallel.base import Parallelism, data_parallel
-
-__all__ = ["Parallelism", "data_parallel"]

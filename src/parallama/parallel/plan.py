@@ -16,7 +16,6 @@ from pathlib import Path
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
-from parallama.parallel.base import Parallelism
 
 GUIDE = ("ddp", "sharded", "fully sharded", "offload")  # docs/strategies.md's order of what to try
 
@@ -46,11 +45,13 @@ def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
     return memory_profiles([*(conf_dirs or []), CONF_DIR])
 
 
-def declared_strategies(conf_dirs: list[Path]) -> dict[str, type[Parallelism]]:
+def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
     """conf/strategy/<name>.yaml -> its class, for every config whose `_target_` is a Parallelism class
     (the first directory that has a name wins, as in Hydra's search path)."""
     import hydra.utils
     from omegaconf import OmegaConf
+
+    from parallama.parallel.base import Parallelism
 
     found: dict[str, type[Parallelism]] = {}
     for conf_dir in conf_dirs:

@@ -13,7 +13,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor
 from lightning.pytorch.trainer.states import TrainerFn
 
-from parallama.parallel import data_parallel
+from parallama.parallel.base import data_parallel
 from parallama.runtime.faults import Preempted
 from parallama.training.module import ends_the_run
 

@@ -15,8 +15,7 @@ from torchmetrics import MeanMetric
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.errors import ConfigError, TrainingDiverged
 from parallama.models import model_spec
-from parallama.parallel import Parallelism, data_parallel
-from parallama.parallel.base import OutsideATrainer
+from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 
 log = logging.getLogger("parallama")
 

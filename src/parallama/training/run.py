@@ -42,7 +42,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
-    from parallama.parallel import Parallelism
+    from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, start_ranks
     from parallama.training.loggers import continue_wandb_run

@@ -113,6 +113,8 @@ class JobIsolation(Callback):
             deepspeed_comm.destroy_process_group()
         elif dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        for rank in _ranks:  # reap the ranks that ended with the job (the others: when they end)
+            rank.poll()
         for key, value in self.environ.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -25,6 +25,37 @@ class FSDPOptions:
     cpu_offload: bool = False
 
 
+# strategy.pp_schedule -> torch.distributed.pipelining's schedule class. Single-stage schedules run one stage per
+# rank; the others run strategy.pp_stages_per_rank >= 2, stage s on pp rank s % pp. torch 2.13's V-shaped
+# ScheduleZBVZeroBubble and ScheduleDualPipeV train but fail in eval() (validation), so they are not offered.
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Pipeline parallelism over the mesh's `pp` dimension (parallel/pipeline.py runs the schedule).
+
+    schedule: a key of SCHEDULES.
+    microbatches: how many slices of the rank's batch go through the pipeline per step.
+    stages_per_rank: model chunks per pp rank (1 for the single-stage schedules, 2 or more for the others).
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int = 2
+    stages_per_rank: int = 1
+
+    def stage_ids(self, pp_rank: int, pp: int) -> list[int]:
+        """The stages a pp rank holds, round-robin: rank r has r, r + pp, r + 2 pp, ..."""
+        return [pp_rank + s * pp for s in range(self.stages_per_rank)]
+
+
 @dataclass(frozen=True)
 class ParallelizeOptions:
     dims: ParallelDims
@@ -32,3 +63,4 @@ class ParallelizeOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     fsdp: FSDPOptions | None = None
+    pipeline: PipelineOptions | None = None  # set when dims.pp > 1: the plan splits the model into stages

@@ -1,0 +1,147 @@
+"""Pipeline parallelism with torch.distributed.pipelining: one rank's stages, the schedule that runs forward and
+backward over microbatches, and what Lightning's loop needs around it (the loss on every rank, gradient clipping
+over every stage, the whole model for sampling, a checkpoint's share for this rank).
+
+The model family's plan splits the model (models/<family>/parallelize.py `pipeline_split`): the rank keeps the
+modules of its stages under their own names, so the LightningModule's `model` holds this rank's parameters as the
+whole model names them (what the optimizer, checkpoints and the universal state see), and each stage is a model
+that shares those modules. `PipelineParallel` is mixed into a strategy whose `dims.pp` may exceed 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, PipelineOptions
+
+BATCH_KWARGS = (
+    "attention_mask",
+    "position_ids",
+    "document_ids",
+)  # given to every stage, sliced like the batch
+
+
+class Pipeline:
+    """This rank's stages (`stages`: (stage index, module) pairs of `num_stages`) under `options.schedule`.
+
+    The loss of a batch is the mean cross-entropy over its labelled tokens (-100 ignored), as `CausalLM.loss`: each
+    microbatch's loss is its summed cross-entropy divided by the labelled tokens of the whole batch, and the
+    schedule adds the microbatches up (scale_grads=False). Averaging per-microbatch means instead would weigh
+    tokens unequally whenever microbatches hold different numbers of ignored labels.
+    """
+
+    def __init__(
+        self, stages: list[tuple[int, nn.Module]], num_stages: int, options: PipelineOptions, group, device
+    ):
+        import torch.distributed.pipelining as pipelining
+
+        self.group, self.device, self.options = group, device, options
+        self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group) for i, m in stages]
+        self.has_first = any(stage.is_first for stage in self.stages)
+        self.has_last = any(stage.is_last for stage in self.stages)
+        self.last_rank = dist.get_world_size(group) - 1  # holds the last stage: its losses go to every rank
+        schedule = getattr(pipelining, SCHEDULES[options.schedule])
+        kwargs = {"n_microbatches": options.microbatches, "loss_fn": self._loss, "scale_grads": False}
+        single = options.schedule in SINGLE_STAGE
+        self.schedule = schedule(self.stages[0] if single else self.stages, **kwargs)
+        self._denominator: Tensor | float = 1.0
+        self._rows: int | None = None  # the batch size the stages' shapes were inferred for
+
+    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return loss / self._denominator
+
+    def loss(self, batch: dict, *, train: bool, accumulate: int = 1) -> Tensor:
+        """The batch's mean loss, the same on every rank of the pipeline. Training runs forward and backward
+        (gradients are those of loss / `accumulate`, what Lightning's backward would have given); evaluation
+        runs forward only."""
+        if train:
+            return self._run(batch, accumulate, self.schedule.step)
+        # Lightning evaluates under inference mode, whose tensors the stages' buffers must not become.
+        with torch.inference_mode(False), torch.no_grad():
+            batch = self._padded({k: v.clone() for k, v in batch.items()})
+            return self._run(batch, 1, self.schedule.eval)
+
+    def _run(self, batch: dict, accumulate: int, run) -> Tensor:
+        labels = batch["labels"]
+        if self._rows is None:
+            self._rows = labels.shape[0]
+        self._denominator = (labels != -100).sum().clamp(min=1).float() * accumulate
+        kwargs = {k: batch[k] for k in BATCH_KWARGS if batch.get(k) is not None}
+        args = (batch["input_ids"],) if self.has_first else ()
+        losses: list[Tensor] | None = [] if self.has_last else None
+        run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
+        if self.has_last:
+            loss = torch.stack(losses).sum().detach() * accumulate
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
+        return loss
+
+    def _padded(self, batch: dict) -> dict:
+        """A short last evaluation batch filled up to the stages' batch size with copies of its first row whose
+        labels are all ignored: the loss (a sum over labelled tokens) is unchanged."""
+        rows = batch["labels"].shape[0]
+        if self._rows is None or rows == self._rows:
+            return batch
+        fill = self._rows - rows
+        out = {k: torch.cat([v, v[:1].expand(fill, *v.shape[1:])]) for k, v in batch.items()}
+        out["labels"][rows:] = -100
+        return out
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """torch's clip_grad_norm_ with the norm over every stage's gradients (this rank has its stages' only)."""
+        parameters = list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if isinstance(norm, DTensor):  # sharded (FSDP) or split (TP) gradients: the norm over the whole stage
+            norm = norm.full_tensor()
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            norm = norm**norm_type
+            dist.all_reduce(norm, group=self.group)
+            norm = norm ** (1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return norm
+
+    def full_model(self, model: nn.Module) -> nn.Module:
+        """The whole model on every rank, for generation: each rank's stages (full tensors, also when sharded)
+        gathered over the pp group into a fresh model. Costs a full copy of the weights per rank and one
+        all-gather of them: meant for the end-of-run sample, not for serving."""
+        local = {}
+        for name, tensor in model.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            local[name] = tensor.detach().cpu()
+        parts: list[dict] = [{} for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather_object(parts, local, group=self.group)
+        full = type(model)(model.config)
+        full.load_state_dict({k: v for part in parts for k, v in part.items()}, strict=True)
+        return full.to(self.device)
+
+
+def local_part(state, module: nn.Module):
+    """A universal checkpoint state (checkpoint/universal.py) cut to the parameters `module` holds (a pipeline
+    rank holds its stages' only); a parameter the checkpoint lacks is left for the strict load to name."""
+    from dataclasses import replace
+
+    names = set(module.state_dict())
+    model = {k: v for k, v in state.model.items() if k in names}
+    optimizer = state.optimizer
+    if optimizer is not None:
+        optimizer = {
+            "state": {k: v for k, v in optimizer["state"].items() if k in names},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n in names]} for g in optimizer["param_groups"]
+            ],
+        }
+    return replace(state, model=model, optimizer=optimizer)

@@ -1,16 +1,14 @@
 """Pipeline parallelism with torch.distributed.pipelining: one rank's stages, the schedule that runs forward and
-backward over microbatches, and what Lightning's loop needs around it (the loss on every rank, gradient clipping
-over every stage, the whole model for sampling, a checkpoint's share for this rank).
+backward over microbatches, and what Lightning's loop needs around it (the loss on every rank, the whole model for
+sampling, a checkpoint's share for this rank). Gradient clipping over every stage: strategies/model_parallel.py.
 
 The model family's plan splits the model (models/<family>/parallelize.py `pipeline_split`): the rank keeps the
 modules of its stages under their own names, so the LightningModule's `model` holds this rank's parameters as the
 whole model names them (what the optimizer, checkpoints and the universal state see), and each stage is a model
-that shares those modules. `PipelineParallel` is mixed into a strategy whose `dims.pp` may exceed 1.
+that shares those modules. strategy=model_parallel builds a `Pipeline` when its `pp` exceeds 1.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -80,7 +78,7 @@ class Pipeline:
         losses: list[Tensor] | None = [] if self.has_last else None
         run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         if self.has_last:
-            loss = torch.stack(losses).sum().detach() * accumulate
+            loss = torch.stack([_local(x) for x in losses]).sum().detach() * accumulate
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
@@ -96,22 +94,6 @@ class Pipeline:
         out = {k: torch.cat([v, v[:1].expand(fill, *v.shape[1:])]) for k, v in batch.items()}
         out["labels"][rows:] = -100
         return out
-
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """torch's clip_grad_norm_ with the norm over every stage's gradients (this rank has its stages' only)."""
-        parameters = list(parameters)
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        if isinstance(norm, DTensor):  # sharded (FSDP) or split (TP) gradients: the norm over the whole stage
-            norm = norm.full_tensor()
-        if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
-        else:
-            norm = norm**norm_type
-            dist.all_reduce(norm, group=self.group)
-            norm = norm ** (1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-        return norm
 
     def full_model(self, model: nn.Module) -> nn.Module:
         """The whole model on every rank, for generation: each rank's stages (full tensors, also when sharded)
@@ -145,3 +127,8 @@ def local_part(state, module: nn.Module):
             ],
         }
     return replace(state, model=model, optimizer=optimizer)
+
+
+def _local(t: Tensor) -> Tensor:
+    """A loss computed on vocab-sharded logits (tensor parallel) is a replicated DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

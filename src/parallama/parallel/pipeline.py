@@ -50,6 +50,7 @@ class Pipeline:
         self.schedule = schedule(self.stages[0] if single else self.stages, **kwargs)
         self._denominator: Tensor | float = 1.0
         self._rows: int | None = None  # the batch size the stages' shapes were inferred for
+        self._step_grads: list = []  # (parameter, gradient) of the last training step, for `add_grads`
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         loss = F.cross_entropy(
@@ -57,12 +58,22 @@ class Pipeline:
         )
         return loss / self._denominator
 
-    def loss(self, batch: dict, *, train: bool, accumulate: int = 1) -> Tensor:
-        """The batch's mean loss, the same on every rank of the pipeline. Training runs forward and backward
-        (gradients are those of loss / `accumulate`, what Lightning's backward would have given); evaluation
-        runs forward only."""
+    def loss(self, batch: dict, *, train: bool, accumulate: int = 1, parameters=()) -> Tensor:
+        """The batch's mean loss, the same on every rank of the pipeline. Evaluation runs forward only.
+
+        Training runs forward and backward, but Lightning's loop expects the gradients from `backward`, after it
+        may have zeroed the earlier ones (the first batch of an accumulation window): the step's gradients, those
+        of loss / `accumulate`, are kept aside here and `add_grads` adds them there. `parameters`: this rank's."""
         if train:
-            return self._run(batch, accumulate, self.schedule.step)
+            parameters = list(parameters)
+            before = [p.grad for p in parameters]
+            for p in parameters:
+                p.grad = None
+            loss = self._run(batch, accumulate, self.schedule.step)
+            self._step_grads = [(p, p.grad) for p in parameters]
+            for p, grad in zip(parameters, before):
+                p.grad = grad
+            return loss
         # Lightning evaluates under inference mode, whose tensors the stages' buffers must not become.
         with torch.inference_mode(False), torch.no_grad():
             batch = self._padded({k: v.clone() for k, v in batch.items()})
@@ -94,6 +105,13 @@ class Pipeline:
         out = {k: torch.cat([v, v[:1].expand(fill, *v.shape[1:])]) for k, v in batch.items()}
         out["labels"][rows:] = -100
         return out
+
+    def add_grads(self) -> None:
+        """Add the gradients of the last training step's schedule to the parameters' (what backward does)."""
+        for p, grad in self._step_grads:
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self._step_grads = []
 
     def full_model(self, model: nn.Module) -> nn.Module:
         """The whole model on every rank, for generation: each rank's stages (full tensors, also when sharded)

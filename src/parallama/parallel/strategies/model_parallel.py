@@ -123,7 +123,10 @@ class ModelParallel(FSDP2):
         with self.loss_context():
             if self.pipeline is not None:
                 accumulate = module.trainer.accumulate_grad_batches
-                return self.pipeline.loss(batch, train=module.training, accumulate=accumulate)
+                train = module.training
+                return self.pipeline.loss(
+                    batch, train=train, accumulate=accumulate, parameters=module.parameters()
+                )
             loss = module.loss(batch)
         return _local(loss)
 
@@ -131,6 +134,7 @@ class ModelParallel(FSDP2):
         if self.pipeline is not None:  # done by the schedule; Lightning's hooks around backward still run
             module = self.lightning_module
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self.pipeline.add_grads()
             return self.precision_plugin.post_backward(closure_loss, module)
         with self.loss_context():  # the parallel cross-entropy's backward needs it too
             return super().backward(closure_loss, optimizer, *args, **kwargs)

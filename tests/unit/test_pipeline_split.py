@@ -98,8 +98,8 @@ def test_too_few_layers_or_tied_embeddings_are_one_line():
 PP = ["strategy=model_parallel", "trainer.devices=2", "strategy.pp=2", "data.batch_size=8"]
 BAD = [  # (overrides, the one line)
     (
-        ["strategy.pp_schedule=zbv"],
-        "strategy.pp_schedule='zbv' is not valid; use one of 'gpipe', '1f1b', 'interleaved_1f1b'",
+        ["strategy.pp_schedule=interleaved_zero_bubble"],
+        "strategy.pp_schedule='interleaved_zero_bubble' is not valid; use one of 'gpipe', '1f1b', 'interleaved_1f1b'",
     ),
     (
         ["strategy.pp_stages_per_rank=2"],
@@ -154,7 +154,7 @@ def test_good_pipeline_settings_pass():
         [
             *PP,
             "model.num_hidden_layers=4",
-            "strategy.pp_schedule=interleaved_zero_bubble",
+            "strategy.pp_schedule=looped_bfs",
             "strategy.pp_stages_per_rank=2",
             "strategy.pp_microbatches=4",
         ],

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
+from parallama.cli.generate import generate_text
 
 pytestmark = pytest.mark.multiprocess
 
@@ -146,6 +147,14 @@ def test_each_layout_trains_like_one_process(runs, name, tmp_path):
 def test_every_layout_samples_the_same_text_at_the_end(runs):
     texts = {name: sample(runs["log"][name]) for name in PARITY}
     assert len(set(texts.values())) == 1 and texts["tp"].strip(), texts
+
+
+def test_parallama_generate_reads_a_tensor_parallel_checkpoint(runs):
+    args = ["prompt=The", "max_new_tokens=12", "temperature=0"]
+    tmp = runs["dir"]
+    text = generate_text([f"ckpt_path={tmp / 'fsdp_tp' / 'checkpoints' / 'last.ckpt'}", *args])
+    ref = tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt"
+    assert len(text) > len("The") and text == generate_text([f"ckpt_path={ref}", *args])
 
 
 @pytest.mark.parametrize("name", RESUMES)

@@ -1,0 +1,201 @@
+"""Pipeline parallelism (strategy=model_parallel strategy.pp=2) on CPU (gloo): each schedule trains like one
+process, and a run resumes across layouts.
+
+Parity: one process at micro-batch 8 (the reference, a 4-layer model so that 2 ranks hold 2 stages each)
+against, for 3 optimizer steps with gradient clipping on (the norm over both stages),
+
+    gpipe (2 ranks x 8, 2 microbatches)            interleaved_1f1b (2 x 8, 2 stages per rank, 4 microbatches)
+    1f1b on pp=2 x dp_shard=2 (4 ranks x 4: FSDP2 inside each stage)
+
+the same global batch 8: weights and AdamW moments after 3 steps (to 1e-5), val/loss at every validation and
+train/loss at every step (metrics.csv, written by rank 0, which holds the first stage: its loss is the last
+stage's, broadcast; the 4-rank run logs its own data-parallel half, so it is left out there). Every run
+validates (the schedule's eval()) and samples at the end (the model gathered from the stages).
+
+Resume: from step 3 to step 6, each equal to the reference's step 6 (weights and moments to 1e-5, counters,
+the data position's running hash):
+
+    interleaved_1f1b (DCP, each stage's keys) -> strategy=fsdp on 1 process   the universal path out of PP
+    the reference (one process, a Lightning file) -> pp=2 looped_bfs          a stage loads its share of it
+
+The LR is constant (a run's schedule then does not depend on its length) and low enough that reduction-order
+noise stays far below 1e-5 after Adam.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from conftest import train
+from safetensors.torch import load_file
+
+from parallama.checkpoint import universal
+from parallama.cli.export import main as export_hf
+from parallama.cli.generate import generate_text
+
+pytestmark = pytest.mark.multiprocess
+
+COMMON = [
+    "scheduler.warmup_steps=0",
+    "scheduler.min_lr_ratio=1",
+    "optimizer.lr=3e-4",
+    "trainer.precision=32-true",
+    "trainer.gradient_clip_val=0.5",  # the tiny model's gradient norm is ~1.5: every step clips
+    "model.num_hidden_layers=4",
+    "trainer.val_check_interval=3",  # the reference and the 3-step runs validate after step 3 alike
+    "seed=7",
+]
+QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
+MP = "strategy=model_parallel"
+SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains on global batch 8
+    "gpipe": ({"pp": 2}, 8, ["strategy.pp_schedule=gpipe"]),
+    "interleaved_1f1b": (
+        {"pp": 2},
+        8,
+        [
+            "strategy.pp_schedule=interleaved_1f1b",
+            "strategy.pp_stages_per_rank=2",
+            "strategy.pp_microbatches=4",
+        ],
+    ),
+    "1f1b_fsdp": ({"pp": 2, "dp_shard": 2}, 4, ["strategy.pp_schedule=1f1b"]),
+}
+SAME_STEP_LOSS = ("gpipe", "interleaved_1f1b")  # data-parallel size 1: rank 0 logs the whole batch's loss
+RESUMES = {  # name: (source run, ranks, overrides)
+    "pp_to_fsdp1": ("interleaved_1f1b", 1, ["strategy=fsdp", "data.batch_size=8"]),
+    "file_to_pp": (
+        "ref",
+        2,
+        [
+            MP,
+            "strategy.pp=2",
+            "strategy.pp_schedule=looped_bfs",
+            "strategy.pp_stages_per_rank=2",
+            "data.batch_size=8",
+        ],
+    ),
+}
+STEPS, TOLERANCE = 3, 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache) -> dict:
+    """The reference (6 steps, a checkpoint every 3), a run per schedule (3 steps) and the resumes (to step 6)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    logs = {}
+
+    def run(name, ranks, steps, *args):
+        proc = train(
+            *COMMON,
+            f"trainer.devices={ranks}",
+            f"trainer.max_steps={steps}",
+            *args,
+            cwd=tmp,
+            cache=data_cache,
+            run_dir=tmp / name,
+            timeout=600,
+        )
+        logs[name] = proc.stdout + proc.stderr
+
+    every_3_steps = [
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        f"+callbacks.model_checkpoint.every_n_train_steps={STEPS}",
+    ]
+    run("ref", 1, 2 * STEPS, "data.batch_size=8", *every_3_steps)
+    for name, (sizes, batch, args) in SCHEDULES.items():
+        sizes_args = (f"strategy.{k}={v}" for k, v in sizes.items())
+        run(name, math.prod(sizes.values()), STEPS, MP, *sizes_args, f"data.batch_size={batch}", *args)
+    for name, (source, ranks, args) in RESUMES.items():
+        ckpt = tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt" if source == "ref" else None
+        ckpt = ckpt or tmp / source / "checkpoints" / "last.ckpt"
+        run(name, ranks, 2 * STEPS, *args, *QUIET, f"ckpt_path={ckpt}")
+    return {"dir": tmp, "log": logs}
+
+
+def metric(run_dir, key: str) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
+
+
+def sample(log: str) -> str:
+    return log.split("sample:\n", 1)[1].split("\n[", 1)[0]
+
+
+def assert_same_state(got, want, step: int) -> None:
+    assert got.client["global_step"] == want.client["global_step"] == step
+    assert got.client["tokens_seen"] == want.client["tokens_seen"]
+    assert got.model.keys() == want.model.keys()
+    for key, tensor in want.model.items():
+        torch.testing.assert_close(got.model[key], tensor, atol=TOLERANCE, rtol=0, msg=key)
+    assert got.optimizer["state"].keys() == want.optimizer["state"].keys()
+    for key, moments in want.optimizer["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                got.optimizer["state"][key][moment], moments[moment], atol=TOLERANCE, rtol=0, msg=key
+            )
+    data, ref_data = got.client["TextDataModule"], want.client["TextDataModule"]
+    assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * 8)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_schedule_trains_like_one_process(runs, name):
+    tmp, log = runs["dir"], runs["log"][name]
+    assert "Traceback" not in log and sample(log).strip()
+    got = universal.read(tmp / name / "checkpoints" / "last.ckpt")  # every stage's keys, under their names
+    want = universal.read(tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt")
+    assert_same_state(got, want, STEPS)
+    ref_val, run_val = metric(tmp / "ref", "val/loss"), metric(tmp / name, "val/loss")
+    assert len(run_val) == 2 and set(run_val) <= set(ref_val)  # before training and after step 3
+    for step, loss in run_val.items():
+        assert loss == pytest.approx(ref_val[step], abs=TOLERANCE), f"{name} val/loss at {step}"
+    if name in SAME_STEP_LOSS:
+        ref_loss, run_loss = metric(tmp / "ref", "train/loss"), metric(tmp / name, "train/loss")
+        assert sorted(run_loss) == list(range(STEPS))
+        for step, loss in run_loss.items():
+            assert loss == pytest.approx(ref_loss[step], abs=TOLERANCE), f"{name} train/loss at {step}"
+    info = universal.writer_info(tmp / name / "checkpoints" / "last.ckpt")
+    sizes = SCHEDULES[name][0]
+    assert (info["strategy"], info["format"]) == ("model_parallel", "dcp")
+    assert info["dims"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, **sizes}
+
+
+def test_every_schedule_samples_the_same_text_at_the_end(runs):
+    texts = {name: sample(runs["log"][name]) for name in SCHEDULES}
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_export_and_generate_read_a_pipeline_checkpoint_as_the_whole_model(runs, tmp_path):
+    tmp = runs["dir"]
+    pp, ref = (
+        tmp / "interleaved_1f1b" / "checkpoints" / "last.ckpt",
+        tmp / "ref" / "checkpoints" / "step0000003.ckpt",
+    )
+    export_hf([f"ckpt_path={pp}", f"out_dir={tmp_path / 'pp'}"])
+    export_hf([f"ckpt_path={ref}", f"out_dir={tmp_path / 'ref'}"])
+    got, want = (
+        load_file(tmp_path / "pp" / "model.safetensors"),
+        load_file(tmp_path / "ref" / "model.safetensors"),
+    )
+    assert got.keys() == want.keys() and "model.layers.3.mlp.down_proj.weight" in got
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOLERANCE
+
+    from transformers import LlamaForCausalLM
+
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "pp").config.num_hidden_layers == 4
+    args = ["prompt=The", "max_new_tokens=12", "temperature=0"]
+    text = generate_text([f"ckpt_path={pp}", *args])
+    assert len(text) > len("The") and text == generate_text([f"ckpt_path={ref}", *args])
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_a_run_resumes_into_and_out_of_pipeline_stages_exactly(runs, name):
+    tmp, step = runs["dir"], 2 * STEPS
+    source, ranks, _ = RESUMES[name]
+    assert f"resuming a {'auto' if source == 'ref' else 'model_parallel'} checkpoint" in runs["log"][name]
+    got = universal.read(tmp / name / "checkpoints" / "last.ckpt")
+    want = universal.read(tmp / "ref" / "checkpoints" / f"step{step:07d}.ckpt")
+    assert_same_state(got, want, step)

@@ -21,6 +21,11 @@ from conftest import run_cli
             ["+trainer.bogus=1"],
             "error: trainer: Trainer.__init__() got an unexpected keyword argument 'bogus'",
         ),
+        # a layout tensor parallelism cannot split (more in tests/unit/test_model_parallel_config.py)
+        (
+            ["strategy=model_parallel", "trainer.devices=2", "strategy.tp=2", "model.num_key_value_heads=1"],
+            "error: strategy.tp=2 must divide model.num_key_value_heads=1 (each tp rank takes 1/tp of it)",
+        ),
     ],
 )
 def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):

@@ -82,11 +82,10 @@ class ModelParallel(FSDP2):
         """TP (and SP) on the `tp` sub-mesh, FSDP2 on the data-parallel one (also at size 1, so every parameter
         is a DTensor and every layout checkpoints alike); the loss is computed on vocab-sharded logits."""
         options = super().parallelize_options(**kwargs)
-        tensor_parallel = self.dims.tp > 1
         return replace(
             options,
             sequence_parallel=self.sequence_parallel,
-            loss_parallel=tensor_parallel,
+            loss_parallel=self.dims.tp > 1,
             pipeline=self.pipeline_options(),
         )
 
@@ -118,17 +117,29 @@ class ModelParallel(FSDP2):
         return loss_parallel()
 
     def compute_loss(self, module, batch: dict) -> torch.Tensor:
-        """With pp > 1 the pipeline schedule runs forward and, in training, backward too (`backward` then has
-        nothing left to do); the loss comes back on every rank."""
-        with self.loss_context():
-            if self.pipeline is not None:
-                accumulate = module.trainer.accumulate_grad_batches
-                train = module.training
-                return self.pipeline.loss(
+        """The batch's loss; in training its value is the mean over the data-parallel replicas (what one
+        process on the whole global batch logs), its gradient this rank's own (FSDP averages the gradients).
+        With pp > 1 the pipeline schedule runs forward and, in training, backward too (`backward` then only
+        adds its gradients); its loss comes back on every rank of the pipeline."""
+        if self.pipeline is not None:
+            train, accumulate = module.training, module.trainer.accumulate_grad_batches
+            with self.loss_context():
+                loss = self.pipeline.loss(
                     batch, train=train, accumulate=accumulate, parameters=module.parameters()
                 )
-            loss = module.loss(batch)
-        return _local(loss)
+            if train and self.world_size > 1:  # every pp rank of a batch holds the same value
+                torch.distributed.all_reduce(loss)
+                loss = loss / self.world_size
+            return loss
+        with self.loss_context():
+            loss = _full_tensor(module.loss(batch))
+        if not loss.requires_grad or self.world_size == 1:
+            return loss
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(
+            mean
+        )  # the tp ranks of a batch hold the same value: sum / world = dp mean
+        return loss + (mean / self.world_size - loss.detach())
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         if self.pipeline is not None:  # done by the schedule; Lightning's hooks around backward still run
@@ -187,7 +198,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
     norms = [
-        _local(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)) for group in groups.values()
+        _full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
+        for group in groups.values()
     ]
     total = torch.nn.utils.get_total_norm(norms, norm_type)
     if group is not None:
@@ -216,7 +228,7 @@ class FullLogits(torch.nn.Module):
         return self.model.new_kv_cache(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        return _full(self.model(*args, **kwargs))
+        return _full_tensor(self.model(*args, **kwargs))
 
 
 def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
@@ -233,11 +245,9 @@ def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
     return copy
 
 
-def _local(t):
-    """A replicated DTensor (e.g. the parallel loss) as a plain tensor, keeping autograd."""
+def _full_tensor(t):
+    """A DTensor (the parallel loss, vocab-sharded logits, a partial norm) as a plain full tensor, keeping
+    autograd; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-_full = _local

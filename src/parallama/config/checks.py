@@ -27,6 +27,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
+        _check_layout(cfg)
         apply_global_batch(cfg)
 
 
@@ -136,6 +137,15 @@ RULES = {  # checked when the key exists (strategy keys only for the strategies 
     "strategy.gradient_as_bucket_view": Rule(bool),
     "strategy.static_graph": Rule(bool),
     "strategy.bucket_cap_mb": Rule(float, 0, open="low"),
+    "strategy.dp_replicate": Rule(int, 1, allow=(-1,)),
+    "strategy.dp_shard": Rule(int, 1, allow=(-1,)),
+    "strategy.tp": Rule(int, 1),
+    "strategy.pp": Rule(int, 1),
+    "strategy.cp": Rule(int, 1),
+    "strategy.sequence_parallel": Rule(bool),
+    "strategy.pp_schedule": Rule(str, choices=("gpipe", "1f1b", "interleaved_1f1b")),
+    "strategy.pp_microbatches": Rule(int, 1, allow=(None,)),
+    "strategy.pp_stages_per_rank": Rule(int, 1),
 }
 
 
@@ -231,6 +241,46 @@ def _check_strategy(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores"
         )
+
+
+def _check_layout(cfg: DictConfig) -> None:
+    """The mesh's sizes against the world size (`ParallelDims.resolve`), and what tensor parallelism splits."""
+    from parallama.parallel.dims import dims_of_config
+
+    dims, strategy = dims_of_config(cfg), cfg.strategy
+    if dims.pp > 1 or dims.cp > 1:
+        raise ConfigError(
+            "strategy.pp > 1 and strategy.cp > 1 are not built yet; use strategy.pp=1 strategy.cp=1"
+        )
+    if strategy.get("sequence_parallel") and dims.tp == 1:
+        raise ConfigError(
+            "strategy.sequence_parallel=true needs strategy.tp > 1 (it splits the tp ranks' work)"
+        )
+    if dims.tp > 1:
+        _check_tensor_parallel(cfg, dims.tp)
+
+
+def _check_tensor_parallel(cfg: DictConfig, tp: int) -> None:
+    """Each tp rank holds whole heads (query and key/value: GQA), 1/tp of the MLP and of the vocabulary."""
+    model = cfg.model
+    heads = model.num_attention_heads
+    splits = {
+        "model.num_attention_heads": heads,
+        "model.num_key_value_heads": model.get("num_key_value_heads") or heads,
+        "model.intermediate_size": model.intermediate_size,
+    }
+    if model.vocab_size is not None:
+        splits["model.vocab_size"] = model.vocab_size
+    elif 64 % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} must divide the vocabulary, and model.vocab_size=null is the tokenizer's size "
+            f"rounded up to a multiple of 64; set model.vocab_size to a multiple of {tp} (or use a tp dividing 64)"
+        )
+    if cfg.strategy.get("sequence_parallel"):
+        splits["data.seq_len"] = cfg.data.seq_len
+    for key, size in splits.items():
+        if size % tp:
+            raise ConfigError(f"strategy.tp={tp} must divide {key}={size} (each tp rank takes 1/tp of it)")
 
 
 def apply_global_batch(cfg: DictConfig) -> None:

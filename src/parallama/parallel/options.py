@@ -27,8 +27,14 @@ class FSDPOptions:
 
 @dataclass(frozen=True)
 class ParallelizeOptions:
+    """sequence_parallel: with dims.tp > 1, norms and the activations between blocks split on the sequence.
+    loss_parallel: with dims.tp > 1, the head's logits stay sharded on the vocabulary (the strategy computes
+    the loss under `torch.distributed.tensor.parallel.loss_parallel`); False gathers them."""
+
     dims: ParallelDims
     mesh: Any = None  # torch DeviceMesh over parallel.dims.DIMS; None where the strategy shards by itself
     activation_checkpointing: bool = False
     compile: bool = False
     fsdp: FSDPOptions | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False

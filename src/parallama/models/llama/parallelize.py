@@ -1,6 +1,14 @@
 """The Llama's parallelize plan (torchtitan's `parallelize_llama`): `parallelize(model, options)` applies what
 the strategy asks (`parallel.ParallelizeOptions`) in a fixed order, each step an `apply_*` function with explicit
-arguments.
+arguments:
+
+1. tensor parallel (`apply_tp`, on the mesh's `tp` dimension): weights become DTensors split across tp ranks,
+   optionally with sequence parallel between the blocks;
+2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed;
+3. compile (`apply_compile`): each block, TP's DTensor ops traced with it;
+4. FSDP2 (`apply_fsdp`) on the data-parallel mesh: `dp_shard` (FSDP), or (dp_replicate, dp_shard) (HSDP: shard
+   within a group, replicate across groups); a TP weight becomes a 2-D DTensor (dp_shard, tp).
+Sharding wraps what runs, so FSDP comes last (it gathers what TP and compile expect to see).
 
 The model in model.py stays plain PyTorch; every decoder block is the unit of checkpointing, compilation and
 sharding: checkpointing wraps the block's forward, compile traces the block, FSDP shards the block and finally
@@ -23,7 +31,14 @@ MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(model: Llama, options: ParallelizeOptions) -> Llama:
-    """Activation checkpointing, then compile, then FSDP (sharding wraps what runs)."""
+    """Tensor parallel, then activation checkpointing, then compile, then FSDP (sharding wraps what runs)."""
+    if options.dims.tp > 1:
+        apply_tp(
+            model,
+            options.mesh["tp"],
+            sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel,
+        )
     if options.activation_checkpointing:
         apply_ac(model)
     if options.compile:
@@ -32,12 +47,82 @@ def parallelize(model: Llama, options: ParallelizeOptions) -> Llama:
         fsdp = options.fsdp
         apply_fsdp(
             model,
-            options.mesh["dp_shard"],
+            data_parallel_mesh(options),
             reshard_after_forward=fsdp.reshard_after_forward,
             mixed_precision=fsdp.mixed_precision,
             cpu_offload=fsdp.cpu_offload,
         )
     return model
+
+
+def data_parallel_mesh(options: ParallelizeOptions):
+    """The mesh FSDP shards over: `dp_shard`, or the 2-D (dp_replicate, dp_shard) of HSDP."""
+    if options.dims.dp_replicate > 1:
+        return options.mesh["dp_replicate", "dp_shard"]
+    return options.mesh["dp_shard"]
+
+
+def apply_tp(model: Llama, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+    """Megatron-style tensor parallelism over `mesh` (1-D, the tp ranks), torchtitan's plan for Llama.
+
+    Per block: q/k/v and gate/up column-wise (each rank computes its share of the heads and of the MLP's width,
+    no communication), o and down row-wise (one all-reduce each, or a reduce-scatter under sequence parallel).
+    The embedding is vocab-parallel (row-wise: each rank looks up its share of the vocabulary, partial sums
+    reduced), the head column-wise: with `loss_parallel` its logits stay sharded on the vocabulary (the loss
+    runs under `torch.distributed.tensor.parallel.loss_parallel`, never gathering them), else gathered.
+
+    `sequence_parallel`: the norms run on 1/tp of the sequence and the residual stream between blocks stays
+    split on it (activation memory / tp); attention and MLP gather it at their input (all-gather) and
+    reduce-scatter at their output. Needs the sequence length to divide by tp (training and validation; not
+    token-by-token decoding, see ModelParallel.inference_model).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between blocks
+    root = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "lm_head": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, root)
+    if model.config.tie_word_embeddings:  # both are Shard(0) on the vocabulary: one parameter again
+        model.lm_head.weight = model.embed_tokens.weight
+    for block in model.layers.values():
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            # attention(x, cos, sin, mask, kv_cache, input_pos): only x is split, and gathered on entry.
+            rest = (None,) * 5
+            plan["input_layernorm"] = SequenceParallel()
+            plan["self_attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), *rest),
+                desired_input_layouts=(Replicate(), *rest),
+                use_local_output=True,
+            )
+            plan["post_attention_layernorm"] = SequenceParallel()
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+        parallelize_module(block, mesh, plan)
 
 
 def apply_ac(model: Llama) -> None:
@@ -60,7 +145,8 @@ def apply_fsdp(
     mixed_precision: str | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """FSDP2: `fully_shard` each block over `mesh` (a 1-D data-parallel DeviceMesh), then the root.
+    """FSDP2: `fully_shard` each block over `mesh`, then the root. A 1-D mesh shards (FSDP); a 2-D one
+    (dp_replicate, dp_shard) shards on its second dimension and replicates on its first (HSDP).
 
     mixed_precision: None (compute in the parameters' dtype), "bf16" or "fp16": compute in that dtype, reduce
     gradients in fp32, keep fp32 master weights. cpu_offload: sharded parameters, gradients and optimizer

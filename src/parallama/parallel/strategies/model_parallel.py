@@ -1,0 +1,185 @@
+"""N-D parallelism (`strategy=model_parallel`): data parallel (replicated x sharded), tensor, pipeline and context
+parallel over one named device mesh (`ParallelDims`, torchtitan's order pp, dp_replicate, dp_shard, cp, tp).
+
+The model's own plan (models/<family>/parallelize.py) applies what `parallelize_options` asks: tensor parallel
+(+ sequence parallel) on the `tp` sub-mesh, then FSDP2 on `dp_shard` (HSDP on (dp_replicate, dp_shard)).
+Every parameter is a DTensor, so checkpoints are DCP folders keyed by parameter name as strategy=fsdp's: DCP
+reshards them into any other layout, and parallama-export / the universal path read them in one process.
+
+Seams kept for the pipeline and context dimensions: `compute_loss` (where a pipeline schedule or the context
+manager runs), `inference_model` and `parallelize_options`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Literal
+
+import torch
+
+from parallama.parallel.options import ParallelizeOptions
+from parallama.parallel.strategies.fsdp import FSDP2
+
+
+class ModelParallel(FSDP2):
+    """FSDP2's settings (reshard_after_forward, mixed_precision, cpu_offload, meta_init,
+    save_distributed_checkpoint) plus the mesh's sizes:
+
+    dp_replicate, dp_shard: data-parallel replicas; > 1 on both is HSDP (shard within a group, replicate across).
+        One of them may be -1: the rest of the world size.
+    tp: tensor-parallel size (heads, the MLP's width and the vocabulary split across tp ranks).
+    sequence_parallel: with tp > 1, the norms and the activations between blocks are split on the sequence.
+    pp, pp_schedule, pp_microbatches, pp_stages_per_rank: pipeline stages and their schedule.
+    cp: context parallel (each sample's sequence split across ranks).
+    """
+
+    name = "model_parallel"
+    memory_profiles = ()  # the planner's N-D profiles: parallel/plan.py
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        sequence_parallel: bool = False,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int = 1,
+        reshard_after_forward: bool = True,
+        mixed_precision: Literal["bf16", "fp16"] | None = None,
+        cpu_offload: bool = False,
+        meta_init: bool = False,
+        save_distributed_checkpoint: bool = True,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            reshard_after_forward=reshard_after_forward,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            meta_init=meta_init,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
+        self.sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
+        self.sequence_parallel = sequence_parallel
+        self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
+            pp_schedule,
+            pp_microbatches,
+            pp_stages_per_rank,
+        )
+
+    def layout(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    # --- the model --------------------------------------------------------------------------------------
+
+    def parallelize_options(self, **kwargs) -> ParallelizeOptions:
+        """TP (and SP) on the `tp` sub-mesh, FSDP2 on the data-parallel one (also at size 1, so every parameter
+        is a DTensor and every layout checkpoints alike); the loss is computed on vocab-sharded logits."""
+        options = super().parallelize_options(**kwargs)
+        tensor_parallel = self.dims.tp > 1
+        return replace(
+            options,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=tensor_parallel,
+        )
+
+    def loss_context(self):
+        """Cross-entropy on the vocab-sharded logits: no rank gathers the full (batch, seq, vocab) tensor."""
+        if self.dims.tp == 1:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def compute_loss(self, module, batch: dict) -> torch.Tensor:
+        with self.loss_context():
+            loss = module.loss(batch)
+        return _local(loss)
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        with self.loss_context():  # the parallel cross-entropy's backward needs it too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def inference_model(self, model):
+        """The model generation runs on, with full logits (sampling needs the whole vocabulary on every rank).
+
+        Under sequence parallel a forward pass needs a sequence that divides by tp, which token-by-token decoding
+        is not: generation then runs on a full copy of the weights on every rank."""
+        if self.dims.tp == 1:
+            return model
+        if self.sequence_parallel:
+            return full_copy(model, self.lightning_module.spec.model)
+        return FullLogits(model)
+
+    # --- gradient clipping ------------------------------------------------------------------------------
+
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which cannot add up norms
+        # of DTensors that live on different meshes (TP's 2-D weights, FSDP's 1-D norms): clip with ours.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for DTensor gradients on several meshes and placements: the norm of each
+    group of gradients that share a mesh and placements, made global (`full_tensor`), then the norm of those."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = [
+        _local(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)) for group in groups.values()
+    ]
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    for group in groups.values():  # scaled group by group: one op cannot mix meshes
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+class FullLogits(torch.nn.Module):
+    """A tensor-parallel model whose vocab-sharded logits are gathered (generation samples from all of them)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def new_kv_cache(self, *args, **kwargs):
+        return self.model.new_kv_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return _full(self.model(*args, **kwargs))
+
+
+def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
+    """A plain model (`build(config)`) with `model`'s weights, on every rank (all ranks take part in the gather)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    device = next(iter(state.values())).device
+    with torch.device("meta"):
+        copy = build(model.config)
+    copy.to_empty(device=device)
+    copy.init_weights()  # the buffers that the state dict does not hold (rope tables)
+    copy.load_state_dict(state)
+    return copy
+
+
+def _local(t):
+    """A replicated DTensor (e.g. the parallel loss) as a plain tensor, keeping autograd."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+_full = _local

@@ -14,10 +14,11 @@ CPU flash kernel as its local op (runtime/compat.py), so the same code path trai
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from parallama.runtime import compat
 
@@ -53,7 +54,9 @@ def sharded_batch(cp_mesh, batch: dict):
     input_ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].clone()
     buffers = [input_ids, labels, positions]
-    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+    with context_parallel(
+        cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+    ):
         yield {"input_ids": input_ids, "labels": labels, "position_ids": positions}
 
 
@@ -70,11 +73,44 @@ def mean_loss(loss_sum: torch.Tensor, count: torch.Tensor, cp_mesh) -> torch.Ten
     return scaled + (totals[0] / total - scaled).detach()
 
 
+class ContextParallelStep:
+    """A training step's loss under context parallelism: the ring-attention context opens with the forward pass
+    and closes after the backward (`end`), which runs the ring again; a loss without autograd (validation) closes
+    it at once."""
+
+    def __init__(self) -> None:
+        self._open = ExitStack()
+
+    def loss(self, module, batch: dict, cp_mesh, loss_context=None) -> torch.Tensor:
+        """`module(input_ids, position_ids=...)` gives the logits (a LightningModule's forward). Padded batches
+        run causal attention alone, which is exact for right padding (no real token attends to a later pad)."""
+        self.end()  # a step that failed before its backward
+        local = self._open.enter_context(sharded_batch(cp_mesh, batch))
+        labels = local["labels"].flatten()
+        with loss_context or nullcontext():
+            logits = module(local["input_ids"], position_ids=local["position_ids"])
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum"
+            )
+        if hasattr(loss_sum, "full_tensor"):  # a replicated DTensor from tensor parallel's loss
+            loss_sum = loss_sum.full_tensor()
+        loss = mean_loss(loss_sum, (labels != -100).sum(), cp_mesh)
+        if not torch.is_grad_enabled():
+            self.end()
+        return loss
+
+    def end(self) -> None:
+        self._open.close()
+
+
 def data_parallel_mesh(mesh, dims):
     """The mesh FSDP shards over and averages gradients on: dp_shard, with cp folded in when cp > 1 (the cp ranks
-    trained on parts of one batch), and dp_replicate in front for HSDP (torchtitan's `dp_shard_cp`)."""
+    trained on parts of one batch: torchtitan's `dp_shard_cp`), and dp_replicate in front for HSDP."""
     shard = "dp_shard"
     if dims.cp > 1:
         shard = "dp_shard_cp"
-        compat.flatten_mesh(mesh, ("dp_shard", "cp"), shard)
+        try:
+            mesh[shard]
+        except KeyError:
+            compat.flatten_mesh(mesh, ("dp_shard", "cp"), shard)
     return mesh[("dp_replicate", shard)] if dims.dp_replicate > 1 else mesh[shard]

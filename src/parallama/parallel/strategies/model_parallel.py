@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from parallama.parallel.context import ContextParallelStep
 from parallama.parallel.options import ParallelizeOptions
 from parallama.parallel.strategies.fsdp import FSDP2
 
@@ -64,6 +65,7 @@ class ModelParallel(FSDP2):
             **kwargs,
         )
         self.sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
+        self._context_parallel = ContextParallelStep()
         self.sequence_parallel = sequence_parallel
         self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
             pp_schedule,
@@ -96,13 +98,18 @@ class ModelParallel(FSDP2):
         return loss_parallel()
 
     def compute_loss(self, module, batch: dict) -> torch.Tensor:
+        if self.dims.cp > 1:  # context parallel: the sequence split over the cp ranks (parallel/context.py)
+            return self._context_parallel.loss(module, batch, self.mesh["cp"], self.loss_context())
         with self.loss_context():
             loss = module.loss(batch)
         return _local(loss)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
-        with self.loss_context():  # the parallel cross-entropy's backward needs it too
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            with self.loss_context():  # the parallel cross-entropy's backward needs it too
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._context_parallel.end()  # the ring attention's backward ran inside the context
 
     def inference_model(self, model):
         """The model generation runs on, with full logits (sampling needs the whole vocabulary on every rank).

@@ -126,7 +126,7 @@ ON_CPU_ONLY = [
     ),
     (["strategy=fsdp", "strategy.mixed_precision=fp16"], "strategy.mixed_precision=fp16 needs GPUs"),
     (["trainer.accelerator=gpu"], "trainer.accelerator=gpu but no GPU is visible"),
-    ([f"trainer.devices={(os.cpu_count() or 1) + 1}"], "CPU processes but this machine has"),
+    ([f"trainer.devices={2 * (os.cpu_count() or 1) + 1}"], "CPU processes but this machine has"),
 ]
 
 

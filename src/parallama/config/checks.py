@@ -224,6 +224,9 @@ def _check_devices(trainer: DictConfig) -> None:
         check_multi_node(trainer.num_nodes)
 
 
+CPU_PROCESSES_PER_CORE = 2
+
+
 def _check_strategy(cfg: DictConfig) -> None:
     import torch
 
@@ -237,9 +240,12 @@ def _check_strategy(cfg: DictConfig) -> None:
         )
     if cfg.strategy.get("mixed_precision") == "fp16" and not uses_gpu:
         raise ConfigError("strategy.mixed_precision=fp16 needs GPUs; on CPU use bf16 or null")
-    if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > (os.cpu_count() or 1):
+    # Two CPU processes per core at most: enough to run a 4-rank layout (e.g. dp_shard=2 x tp=2) on 2 cores.
+    most = CPU_PROCESSES_PER_CORE * (os.cpu_count() or 1)
+    if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > most:
         raise ConfigError(
-            f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores"
+            f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores "
+            f"(at most {most}: {CPU_PROCESSES_PER_CORE} per core)"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from parallama.parallel.context import ContextParallelStep
 from parallama.parallel.options import ParallelizeOptions
+from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
 
 
@@ -36,7 +37,18 @@ class ModelParallel(FSDP2):
     """
 
     name = "model_parallel"
-    memory_profiles = ()  # the planner's N-D profiles: parallel/plan.py
+    # parallama-plan searches its sizes (parallel/layouts.py); FSDP2's engine and working set, as strategy=fsdp
+    memory_profiles = (
+        MemoryProfile(
+            "model_parallel",
+            "strategy=model_parallel",
+            "fsdp",
+            "pgo",
+            gathered="working",
+            guide="model parallel",
+            layouts=True,
+        ),
+    )
 
     def __init__(
         self,

@@ -94,12 +94,7 @@ class ModelParallel(FSDP2):
         """TP (and SP) on the `tp` sub-mesh, FSDP2 on the data-parallel one (also at size 1, so every parameter
         is a DTensor and every layout checkpoints alike); the loss is computed on vocab-sharded logits."""
         options = super().parallelize_options(**kwargs)
-        tensor_parallel = self.dims.tp > 1
-        return replace(
-            options,
-            sequence_parallel=self.sequence_parallel,
-            loss_parallel=tensor_parallel,
-        )
+        return replace(options, sequence_parallel=self.sequence_parallel, loss_parallel=self.dims.tp > 1)
 
     def loss_context(self):
         """Cross-entropy on the vocab-sharded logits: no rank gathers the full (batch, seq, vocab) tensor."""
@@ -110,11 +105,20 @@ class ModelParallel(FSDP2):
         return loss_parallel()
 
     def compute_loss(self, module, batch: dict) -> torch.Tensor:
+        """The batch's loss; in training its value is the mean over the data-parallel replicas (what one
+        process on the whole global batch logs), its gradient this rank's own (FSDP averages the gradients)."""
         if self.dims.cp > 1:  # context parallel: the sequence split over the cp ranks (parallel/context.py)
-            return self._context_parallel.loss(module, batch, self.mesh["cp"], self.loss_context())
-        with self.loss_context():
-            loss = module.loss(batch)
-        return _local(loss)
+            loss = self._context_parallel.loss(module, batch, self.mesh["cp"], self.loss_context())
+        else:
+            with self.loss_context():
+                loss = _full_tensor(module.loss(batch))
+        if not loss.requires_grad or self.world_size == 1:
+            return loss
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(
+            mean
+        )  # the tp (and cp) ranks of a batch hold the same value: sum / world = dp mean
+        return loss + (mean / self.world_size - loss.detach())
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         try:
@@ -157,7 +161,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
     norms = [
-        _local(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)) for group in groups.values()
+        _full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
+        for group in groups.values()
     ]
     total = torch.nn.utils.get_total_norm(norms, norm_type)
     for group in groups.values():  # scaled group by group: one op cannot mix meshes
@@ -177,7 +182,7 @@ class FullLogits(torch.nn.Module):
         return self.model.new_kv_cache(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        return _full(self.model(*args, **kwargs))
+        return _full_tensor(self.model(*args, **kwargs))
 
 
 def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
@@ -194,11 +199,9 @@ def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
     return copy
 
 
-def _local(t):
-    """A replicated DTensor (e.g. the parallel loss) as a plain tensor, keeping autograd."""
+def _full_tensor(t):
+    """A DTensor (the parallel loss, vocab-sharded logits, a partial norm) as a plain full tensor, keeping
+    autograd; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-_full = _local

@@ -103,14 +103,14 @@ class ContextParallelStep:
         self._open.close()
 
 
+_flattened: dict[int, object] = {}  # id(root mesh) -> its dp_shard_cp mesh (torch wants it kept, not re-sliced)
+
+
 def data_parallel_mesh(mesh, dims):
     """The mesh FSDP shards over and averages gradients on: dp_shard, with cp folded in when cp > 1 (the cp ranks
     trained on parts of one batch: torchtitan's `dp_shard_cp`), and dp_replicate in front for HSDP."""
-    shard = "dp_shard"
-    if dims.cp > 1:
-        shard = "dp_shard_cp"
-        try:
-            mesh[shard]
-        except KeyError:
-            compat.flatten_mesh(mesh, ("dp_shard", "cp"), shard)
-    return mesh[("dp_replicate", shard)] if dims.dp_replicate > 1 else mesh[shard]
+    if dims.cp == 1:
+        return mesh[("dp_replicate", "dp_shard")] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    if id(mesh) not in _flattened:
+        _flattened[id(mesh)] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+    return mesh[("dp_replicate", "dp_shard_cp")] if dims.dp_replicate > 1 else _flattened[id(mesh)]

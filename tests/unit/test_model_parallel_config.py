@@ -1,10 +1,11 @@
 """strategy=model_parallel's config: every bad layout is refused before any work, in one line naming the keys;
-the global batch counts data-parallel replicas, not ranks. (Training itself: tests/distributed/.)"""
+the global batch counts data-parallel replicas, not ranks. In-process, through `preflight` as parallama-train
+runs it (the command line's one line and exit 2: tests/integration/test_bad_config_cli.py; training itself:
+tests/distributed/test_model_parallel.py)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
 
 from parallama import CONF_DIR
 from parallama.config.checks import check_config
@@ -101,19 +102,3 @@ def composed(overrides: list[str]):
 def test_the_global_batch_counts_data_parallel_replicas(overrides, accumulate):
     cfg = composed([*overrides, "global_batch_size=16", "data.batch_size=4"])
     assert cfg.trainer.accumulate_grad_batches == accumulate
-
-
-def test_the_command_line_prints_one_error_line_and_exits_2(tmp_path):
-    args = [
-        *MP,
-        "trainer.devices=2",
-        "strategy.tp=2",
-        "model.num_key_value_heads=1",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-2000:]
-    assert [line for line in out.splitlines() if "error:" in line] == [
-        "error: strategy.tp=2 must divide model.num_key_value_heads=1 (each tp rank takes 1/tp of it)"
-    ]

@@ -1,5 +1,6 @@
 """parallama-plan's N-D layouts (parallel/layouts.py): what each dimension divides, the search's choices for the
-Llama 3 presets and for long sequences, and that the presets compose and plan to their own layout."""
+Llama 3 presets and for long sequences, and that the presets plan to their own layout (their composing on the
+command line: tests/integration/test_plan_nd_cli.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 from dataclasses import replace
 
 import pytest
-from conftest import run_cli
 from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
@@ -168,13 +168,6 @@ def test_the_cli_lists_model_parallel_with_its_layout(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["estimates"]["model_parallel"]["layout"] == "dp_shard=4 x tp=8 + SP"
     assert out["world_size"] == 32 and out["recommendation"]["strategy"] == "model_parallel"
-
-
-@pytest.mark.parametrize("preset", ["llama3_8b_tp", "llama3_70b_nd"])
-def test_presets_compose_on_a_cpu_machine(preset, tmp_path):
-    out = run_cli("parallama.cli.train", f"experiment={preset}", "--cfg", "job", cwd=tmp_path).stdout
-    cfg = OmegaConf.create(out)
-    assert cfg.strategy._target_.endswith(".ModelParallel") and cfg.trainer.accelerator == "auto"
 
 
 def test_a_stage_of_a_tied_model_and_layout_overrides():

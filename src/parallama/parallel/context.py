@@ -103,7 +103,9 @@ class ContextParallelStep:
         self._open.close()
 
 
-_flattened: dict[int, object] = {}  # id(root mesh) -> its dp_shard_cp mesh (torch wants it kept, not re-sliced)
+_flattened: dict[
+    int, object
+] = {}  # id(root mesh) -> its dp_shard_cp mesh (torch wants it kept, not re-sliced)
 
 
 def data_parallel_mesh(mesh, dims):

@@ -100,7 +100,8 @@ def estimate_layout(
     head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
     if dims.pp == 1:
         acts = blocks + head
-    else:  # the first stage's micro-batches in flight, or the last stage's one with the head
+    else:  # the first stage's micro-batches in flight, or the last stage's one with the head (with
+        # checkpointing the recomputed block is counted per micro-batch in flight: an upper bound)
         acts = max(int(in_flight(layout) * blocks), blocks + head)
     return Estimate(params, grads, optim, gathered=gathered, activations=acts)
 
@@ -133,8 +134,9 @@ def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: 
                 if tp > gpus_per_node or gpus_per_node % tp or any(s % tp for s in splits):
                     continue
                 rest = world // (pp * cp * tp)
-                node_local = gpus_per_node // tp // cp if gpus_per_node % (tp * cp) == 0 else 0
-                replicas = [nodes] if nodes > 1 and pp == 1 and node_local and rest % nodes == 0 else []
+                # HSDP: a node's GPUs hold one replica (shard group x cp x tp), the nodes replicate
+                node_replicas = nodes > 1 and pp == 1 and gpus_per_node % (tp * cp) == 0 and rest % nodes == 0
+                replicas = [nodes] if node_replicas else []
                 for dp_replicate in [*replicas, 1]:
                     dims = ParallelDims(dp_replicate, rest // dp_replicate, cp, tp, pp)
                     found.append(Layout(dims, sequence_parallel=tp > 1 and (seq_len // cp) % tp == 0))

@@ -47,11 +47,11 @@ def gathered(mesh, t: torch.Tensor, dim: int) -> torch.Tensor:
     return unshard(parts, dim)
 
 
-def attention(mesh, device, dtype, kernel: SDPBackend | None, seq: int) -> dict[str, float]:
-    """Ring attention of random q (8 heads) and k/v (2 heads) vs SDPA on the whole sequence. On CPU the kernel is
-    parallama's registration (parallel/context.py does it when it shards a batch; here by hand)."""
+def attention(mesh, device, dtype, kernel: SDPBackend | None, seq: int, kv_heads: int) -> dict[str, float]:
+    """Ring attention of random q (8 heads) and k/v (`kv_heads`) vs SDPA on the whole sequence. On CPU the kernel
+    is parallama's registration (parallel/context.py does it when it shards a batch; here by hand)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, seq, 64, generator=g).to(device, dtype) for h in (8, 2, 2))
+    q, k, v = (torch.randn(2, h, seq, 64, generator=g).to(device, dtype) for h in (8, kv_heads, kv_heads))
     out_grad = torch.randn(2, 8, seq, 64, generator=g).to(device, dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     kernels = sdpa_kernel(kernel) if kernel is not None else nullcontext()
@@ -126,14 +126,18 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for name, kernel in kernels.items():
-        try:
-            diffs = attention(mesh["cp"], device, dtype, kernel, args.seq)
-        except RuntimeError as err:  # a kernel this GPU (or these shapes) does not run
-            rows.append(f"attention {name}: not run ({str(err).splitlines()[0][:120]})")
-            continue
-        off = max(diffs.values()) > tol
-        bad |= off
-        rows.append(f"attention {name} ({dtype}): " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        for kv_heads in (2, 8):  # GQA, else (a kernel without it) plain multi-head attention
+            try:
+                diffs = attention(mesh["cp"], device, dtype, kernel, args.seq, kv_heads)
+            except RuntimeError as err:  # a kernel this GPU (or these shapes) does not run
+                rows.append(
+                    f"attention {name}, {kv_heads} kv heads: not run ({str(err).splitlines()[0][:100]})"
+                )
+                continue
+            bad |= max(diffs.values()) > tol
+            what = ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+            rows.append(f"attention {name}, {kv_heads} kv heads ({dtype}): {what}")
+            break
     step = training_step(mesh, dims, device, args.seq)
     bad |= step["loss"] > (1e-2 if device.type == "cuda" else 1e-5) or step["grad"] > tol
     rows.append(f"Llama step (cp={world}): loss {step['loss']:.2e}, max grad {step['grad']:.2e}")

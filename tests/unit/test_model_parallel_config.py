@@ -59,6 +59,10 @@ BAD_LAYOUTS = [  # (overrides, what the one line must say); the tiny model has 4
         "model.vocab_size=null is the tokenizer's size rounded up to a multiple of 64; set model.vocab_size to a multiple of 3",
     ),
     (
+        ["trainer.devices=2", "strategy.tp=2", "compile=true"],
+        "compile=true with strategy.tp > 1 computes wrong",
+    ),
+    (
         ["trainer.devices=2", "strategy.sequence_parallel=true"],
         "strategy.sequence_parallel=true needs strategy.tp > 1",
     ),

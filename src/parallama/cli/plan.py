@@ -14,8 +14,10 @@ from parallama.config.checks import Rule, check_values
 from parallama.config.compose import compose_tool
 from parallama.errors import ConfigError
 from parallama.models import model_spec
-from parallama.parallel.dims import dims_of_config
+from parallama.parallel.dims import dims_of_config, processes_per_node
+from parallama.parallel.layouts import Layout, estimate_layout, search
 from parallama.parallel.plan import (
+    FP32,
     GIB,
     HEADROOM,
     MIXED,
@@ -46,36 +48,95 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     if precision == "${auto_precision:}":
         precision = "bf16-mixed"
         notes.append("trainer.precision unset: planning for bf16-mixed (what a bf16-capable GPU gets)")
+    elif precision in FP32 and cfg.strategy.get("mixed_precision") in ("bf16", "fp16"):
+        precision = (
+            "bf16-mixed"  # FSDP's own mixed precision: fp32 states, 16-bit compute, as planned for fsdp
+        )
+        notes.append(f"strategy.mixed_precision={cfg.strategy.mixed_precision}: planning 16-bit activations")
     ckpt = bool(cfg.activation_checkpointing)
-    shape = dict(
-        world_size=dims_of_config(cfg).dp_size, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size
-    )
+    nodes, per_node = cfg.trainer.num_nodes, processes_per_node(cfg.trainer.devices)
+    shape = dict(world_size=nodes * per_node, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
     plans = {
         c: estimate(config, precision=precision, activation_checkpointing=c, strategies=strategies, **shape)
         for c in {ckpt, True}
     }
+    # N-D profiles: the first layout that fits (or none), and the layout the config asks for, if it is one
+    layouts, searched = {}, {}
+    mesh = dict(
+        nodes=nodes, gpus_per_node=per_node, seq_len=shape["seq_len"], micro_batch=shape["micro_batch"]
+    )
+    for name in [n for n, p in strategies.items() if p.layouts]:
+        layout, with_ckpt, _ = search(
+            config, **mesh, precision=precision, gpu_memory_gb=gpu_memory_gb, checkpointing=(ckpt, True)
+        )
+        if layout is None:
+            notes.append(f"{name}: no layout of {nodes} x {per_node} GPUs fits")
+            continue
+        layouts[name], searched[name] = layout, with_ckpt
+    if cfg.strategy.get("_target_", "").endswith(".ModelParallel"):
+        layouts["model_parallel (as configured)"] = configured_layout(cfg)
+    for name, layout in layouts.items():
+        for c in plans:
+            plans[c][name] = estimate_layout(
+                config,
+                layout,
+                seq_len=shape["seq_len"],
+                micro_batch=shape["micro_batch"],
+                precision=precision,
+                activation_checkpointing=c,
+            )
     rows = {
         c: {k: {**asdict(e), "total": e.total, "fits": e.fits(gpu_memory_gb)} for k, e in p.items()}
         for c, p in plans.items()
     }
+    for c in rows:
+        for name, layout in layouts.items():
+            rows[c][name]["layout"] = layout.describe()
     result = dict(num_params=config.num_params(), **shape, precision=precision, gpu_memory_gb=gpu_memory_gb)
     result.update(
         activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt], estimates_checkpointing=rows[True]
     )
     result["recommendation"] = None
-    if rec := recommend(plans, gpu_memory_gb, strategies):
+    if rec := recommend(plans, gpu_memory_gb, strategies, searched):
         name, with_ckpt, why = rec
-        line = command(strategies[name], with_ckpt, precision, shape["world_size"], overrides)
+        layout = layouts.get(name)
+        planned = layout.overrides() if layout else None
+        line = command(strategies[name], with_ckpt, precision, shape["world_size"], overrides, planned)
         result["recommendation"] = dict(
             strategy=name, activation_checkpointing=with_ckpt, why=why, command=line
         )
+        if layout:
+            result["recommendation"]["layout"] = dict(
+                layout.dims.sizes(), sequence_parallel=layout.sequence_parallel
+            )
+            result["recommendation"]["why"] += f": {layout.describe()}"
     return result
 
 
-def command(profile: MemoryProfile, ckpt: bool, precision: str, world_size: int, overrides: list[str]) -> str:
-    """The `parallama-train` line: the user's overrides, minus those the plan sets, plus the plan's."""
+def configured_layout(cfg) -> Layout:
+    """The layout a strategy=model_parallel config asks for."""
+    s = cfg.strategy
+    return Layout(
+        dims_of_config(cfg),
+        sequence_parallel=bool(s.get("sequence_parallel")),
+        pp_schedule=s.get("pp_schedule", "1f1b"),
+        pp_microbatches=s.get("pp_microbatches"),
+        pp_stages_per_rank=s.get("pp_stages_per_rank", 1),
+    )
+
+
+def command(
+    profile: MemoryProfile,
+    ckpt: bool,
+    precision: str,
+    world_size: int,
+    overrides: list[str],
+    planned: list[str] | None = None,
+) -> str:
+    """The `parallama-train` line: the user's overrides, minus those the plan sets, plus the plan's (`planned`:
+    a searched layout's overrides instead of the profile's)."""
     one_device = profile.guide == "ddp" and world_size == 1
-    planned = ["strategy=auto"] if one_device else profile.overrides.split()
+    planned = ["strategy=auto"] if one_device else planned or profile.overrides.split()
     if profile.engine == "fsdp" and precision in MIXED:
         planned += ["strategy.mixed_precision=bf16", "trainer.precision=32-true"]  # FSDP's own, not autocast
     planned += ["activation_checkpointing=true"] if ckpt else []
@@ -110,13 +171,14 @@ def show(result: dict) -> None:
     title = f"Per-GPU memory (GiB), {result['num_params'] / 1e9:.3g} B parameters"
     table = Table("strategy", *(Column(c, justify="right") for c in columns), title=title)
     for name, e in result["estimates"].items():
+        label = f"{name}\n  {e['layout']}" if "layout" in e else name
         cells = [f"{e[k] / GIB:.1f}" for k in ("params", "grads", "optim", "gathered", "activations")]
         for r in [e] if ckpt else [e, result["estimates_checkpointing"][name]]:
             cells += [f"{r['total'] / GIB:.1f}", "yes" if r["fits"] else "no"]
-        table.add_row(name, *cells)
+        table.add_row(label, *cells)
     console.print(table)
     console.print(
-        f"world size {result['world_size']}, micro-batch {result['micro_batch']} x {result['seq_len']} tokens, "
+        f"world size {result['world_size']}, micro-batch (per data-parallel replica) {result['micro_batch']} x {result['seq_len']} tokens, "
         f"{result['precision']}, {OVERHEAD_GIB} GiB overhead each; fits: total <= {HEADROOM:.0%} of "
         f"{result['gpu_memory_gb']:g} GiB"
     )

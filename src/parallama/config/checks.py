@@ -259,10 +259,12 @@ def _check_layout(cfg: DictConfig) -> None:
     from parallama.parallel.dims import dims_of_config
 
     dims, strategy = dims_of_config(cfg), cfg.strategy
-    if dims.cp > 1:
-        raise ConfigError("strategy.cp > 1 is not built yet; use strategy.cp=1")
+    if dims.pp > 1 and dims.cp > 1:
+        raise ConfigError("strategy.pp > 1 with strategy.cp > 1 is not supported yet; use one of them")
     if dims.pp > 1:
         _check_pipeline(cfg, dims.pp)
+    if dims.cp > 1:
+        _check_context_parallel(cfg, dims)
     if strategy.get("sequence_parallel") and dims.tp == 1:
         raise ConfigError(
             "strategy.sequence_parallel=true needs strategy.tp > 1 (it splits the tp ranks' work)"
@@ -321,6 +323,26 @@ def _check_pipeline(cfg: DictConfig, pp: int) -> None:
         raise ConfigError(
             f"{name}: strategy.pp_schedule={schedule} needs a multiple of {rounds} microbatches "
             f"(microbatches // strategy.pp rounds); e.g. {pp * rounds}"
+        )
+
+
+def _check_context_parallel(cfg: DictConfig, dims) -> None:
+    """Each cp rank holds two of 2 x cp equal chunks of a sample (torch's load balancing), and attention is plain
+    causal ring attention (no document mask)."""
+    seq_len, cp = cfg.data.seq_len, dims.cp
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"strategy.cp={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} (each cp rank takes two equal "
+            f"chunks of the sequence), but data.seq_len={seq_len}"
+        )
+    if cfg.data.get("document_mask"):
+        raise ConfigError(
+            "strategy.cp > 1 runs causal ring attention, which takes no document mask: set data.document_mask=false"
+        )
+    if cfg.strategy.get("sequence_parallel") and (seq_len // cp) % dims.tp:
+        raise ConfigError(
+            f"strategy.sequence_parallel=true with strategy.cp={cp} splits each cp rank's {seq_len // cp} tokens "
+            f"over strategy.tp={dims.tp}: make data.seq_len a multiple of cp x tp = {cp * dims.tp}"
         )
 
 

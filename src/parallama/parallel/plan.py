@@ -17,7 +17,7 @@ from pathlib import Path
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
 
-GUIDE = ("ddp", "sharded", "fully sharded", "offload")  # docs/strategies.md's order of what to try
+GUIDE = ("ddp", "sharded", "fully sharded", "model parallel", "offload")  # docs/strategies.md's order
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class MemoryProfile:
     `shard` (1/n each) and `offload` (to CPU) name them by letter: p(arams) g(rads) o(ptimizer state);
     `gathered`: none, "working" (root + 2 blocks) or "all" parameters held unsharded at once. `engine`:
     "autocast" (Lightning's mixed precision), "deepspeed" or "fsdp" (their own). `guide`: the step of the
-    guide in docs/strategies.md where it is tried (ddp, sharded, fully sharded, offload), in `order`.
+    guide in docs/strategies.md where it is tried (ddp, sharded, fully sharded, model parallel, offload), in
+    `order`. `layouts`: its sizes (dp_replicate, dp_shard, tp, pp, cp) are searched (parallel/layouts.py).
     """
 
     name: str
@@ -38,6 +39,7 @@ class MemoryProfile:
     gathered: str = "none"
     guide: str = "ddp"
     order: int = 0
+    layouts: bool = False
 
 
 def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
@@ -114,7 +116,17 @@ def state_bytes(precision: str, engine: str) -> tuple[int, int, int, int]:
     return {"autocast": (4, 4, 8, 2), "deepspeed": (2, 2, 12, 0), "fsdp": (4, 4, 8, 2)}[engine]
 
 
-def activation_bytes(c, tokens: int, e: int, e_res: int, checkpointing: bool) -> int:
+def activation_bytes(
+    c,
+    tokens: int,
+    e: int,
+    e_res: int,
+    checkpointing: bool,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    head: bool = True,
+) -> int:
     """Saved activations of one micro-batch of `tokens` tokens; e / e_res: bytes of a compute / residual element.
 
     Per layer and token, Korthikanti et al.'s 34h (GPT, 16-bit, with dropout) becomes, for a Llama block with
@@ -123,12 +135,18 @@ def activation_bytes(c, tokens: int, e: int, e_res: int, checkpointing: bool) ->
     h, MLP input h, gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
     log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
     The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
+
+    Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
+    (rotated q, k, v, attention output, the MLP's 4i) and the vocab-parallel logits; sequence parallel also
+    the residual stream. The projections' inputs (and the head's) are gathered whole under either.
+    `head=False`: the blocks only (a pipeline stage without the head).
     """
     h, kv, i, v = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size
-    block = 2 * h * e_res + (4 * h + 2 * kv + 4 * i) * e
-    layers = c.num_hidden_layers * (h * e_res) + block if checkpointing else c.num_hidden_layers * block
-    head = h * (e_res + e) + v * (e + 4 + (4 if e != 4 else 0))
-    return tokens * (layers + head)
+    residual = h * e_res // (tp if sequence_parallel else 1)
+    block = 2 * residual + 2 * h * e + (2 * h + 2 * kv + 4 * i) * e // tp
+    layers = c.num_hidden_layers * residual + block if checkpointing else c.num_hidden_layers * block
+    logits = v // tp * (e + 4 + (4 if e != 4 else 0))
+    return tokens * (layers + (residual + h * e + logits if head else 0))
 
 
 def _gathered_params(c, how: str) -> int:
@@ -149,10 +167,13 @@ def estimate(
     activation_checkpointing: bool,
     strategies: dict[str, MemoryProfile] | None = None,
 ) -> dict[str, Estimate]:
-    """Per-GPU peak memory of every strategy profile (see the module docstring for the accounting)."""
+    """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the
+    accounting; those with `layouts` are searched by parallel/layouts.py)."""
     n, psi = world_size, config.num_params()
     out = {}
     for name, s in (strategies or profiles()).items():
+        if s.layouts:
+            continue
         per = state_bytes(precision, s.engine)
         states = [
             0 if k in s.offload else -(-psi * b // n) if k in s.shard else psi * b
@@ -174,22 +195,30 @@ WHY = {
     "cannot be re-run, e.g. notebooks: it is no memory saving)",
     "sharded": "a full replica's model states do not fit; sharding the optimizer state (and gradients) does",
     "fully sharded": "even ZeRO-1/2 does not fit; sharding the parameters too (ZeRO-3 / FSDP) does",
+    "model parallel": "FSDP alone does not fit; splitting each layer (tensor parallel, within a node), then the "
+    "sequence (context parallel) or the layers (pipeline) does",
     "offload": "nothing fits in GPU memory alone; CPU offload (the last resort: slower) does",
 }
 
 
 def recommend(
-    plans: dict[bool, dict[str, Estimate]], gpu_memory_gb: float, strategies: dict[str, MemoryProfile]
+    plans: dict[bool, dict[str, Estimate]],
+    gpu_memory_gb: float,
+    strategies: dict[str, MemoryProfile],
+    searched: dict[str, bool] | None = None,
 ) -> tuple[str, bool, str] | None:
     """First (strategy, activation_checkpointing, why) in the guide's order that fits; `plans` holds the
-    estimates without (unless the user asked for it) and with activation checkpointing."""
-    steps = [(stage, c) for c in (False, True) for stage in GUIDE[:3]] + [
-        ("offload", False),
-        ("offload", True),
-    ]
+    estimates without (unless the user asked for it) and with activation checkpointing. The searched N-D
+    profiles (`searched`: name -> whether its layout needs checkpointing) come after every fixed one."""
+    steps = [(stage, c) for c in (False, True) for stage in GUIDE[:3]]
+    steps += [("model parallel", c) for c in (False, True)] + [("offload", False), ("offload", True)]
     for stage, c in steps:
         for name in [n for n, p in strategies.items() if p.guide == stage]:
-            if c in plans and plans[c][name].fits(gpu_memory_gb):
+            if strategies[name].layouts:
+                fits = name in (searched or {}) and searched[name] == c
+            else:
+                fits = c in plans and plans[c][name].fits(gpu_memory_gb)
+            if fits:
                 more = (
                     "; activations were the problem: with activation checkpointing"
                     if c and False in plans

@@ -61,6 +61,24 @@ INTERNALS = [
         f"{LIGHTNING}/pytorch/strategies/deepspeed.py",
         source_sha="d8046a5e",
     ),
+    Internal(
+        "torch.distributed.tensor.experimental._context_parallel._attention",
+        ("_templated_ring_attention", "_templated_ring_attention_backward", "custom_ops"),
+        "context parallel on CPU: torch's ring attention dispatches only the CUDA SDPA kernels (flash, efficient, "
+        "cudnn); parallama adds the CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu and its "
+        "backward) to the same handler table, run by torch's own ring",
+        "torch's context_parallel supporting the CPU SDPA kernel",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/tensor/experimental/_context_parallel/"
+        "_attention.py",
+    ),
+    Internal(
+        "torch.distributed.device_mesh",
+        ("DeviceMesh._flatten",),
+        "FSDP over dp_shard x cp (the cp ranks average their gradients too) needs the two dimensions as one mesh "
+        "dimension, as torchtitan flattens them (`dp_shard_cp`)",
+        "a public DeviceMesh.flatten",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/device_mesh.py",
+    ),
 ]
 DEEPSPEED_INTERNALS = [
     Internal(
@@ -215,3 +233,61 @@ def zero_partitions(zero) -> list[tuple[int, Tensor, list]]:
     except (AttributeError, KeyError, IndexError):
         pass
     raise deepspeed_changed(f"the flat fp32 partitions of {type(zero).__name__}")
+
+
+# --- context parallel (parallel/context.py) ------------------------------------------------------------------
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """`mesh[dims]` as one dimension called `name` (reachable from the root mesh by that name afterwards)."""
+    return mesh[dims]._flatten(name)
+
+
+def enable_cpu_ring_attention() -> None:
+    """Let torch's `context_parallel` run on CPU: the CPU flash-attention kernel, called with DTensor q/k/v
+    sharded on the sequence, goes to torch's ring (`_templated_ring_attention`) with that kernel as the local op,
+    exactly as the CUDA kernels do. Idempotent; on CUDA nothing calls the CPU kernel."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    aten = torch.ops.aten
+    if aten._scaled_dot_product_flash_attention_for_cpu.default in cp.custom_ops:
+        return
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def forward(op_call, args, kwargs):
+        query, key, value, *rest = args  # the kernel's schema: q, k, v, dropout_p=0, is_causal=False, *, ...
+        dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise NotImplementedError("context parallel attention takes no attn_mask (causal only)")
+        mesh = query.device_mesh
+        out, lse = cp._templated_ring_attention(
+            mesh.get_group(),
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            *(local(t) for t in (query, key, value)),
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=kwargs.get("scale"),
+        )
+        return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (out, lse))
+
+    def backward(op_call, args, kwargs):
+        names = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")
+        a = {**dict(zip(names, args, strict=False)), **kwargs}
+        mesh = a["query"].device_mesh
+        grads = cp._templated_ring_attention_backward(
+            mesh.get_group(),
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out_name="grad_out",
+            **{k: local(v) for k, v in a.items() if k != "attn_mask"},
+        )
+        return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in grads)
+
+    cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = forward
+    cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = backward

@@ -61,10 +61,11 @@ def parallelize(model: Llama, options: ParallelizeOptions) -> Llama:
 
 
 def data_parallel_mesh(options: ParallelizeOptions):
-    """The mesh FSDP shards over: `dp_shard`, or the 2-D (dp_replicate, dp_shard) of HSDP."""
-    if options.dims.dp_replicate > 1:
-        return options.mesh["dp_replicate", "dp_shard"]
-    return options.mesh["dp_shard"]
+    """The mesh FSDP shards over: `dp_shard`, or the 2-D (dp_replicate, dp_shard) of HSDP; with context parallel
+    the cp ranks are folded into dp_shard (they average their gradients too: parallel/context.py)."""
+    from parallama.parallel.context import data_parallel_mesh as with_cp
+
+    return with_cp(options.mesh, options.dims)
 
 
 def apply_tp(model: Llama, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:

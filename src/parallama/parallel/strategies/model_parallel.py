@@ -19,7 +19,9 @@ from typing import Literal
 
 import torch
 
+from parallama.parallel.context import ContextParallelStep
 from parallama.parallel.options import ParallelizeOptions, PipelineOptions
+from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
 
 
@@ -36,7 +38,18 @@ class ModelParallel(FSDP2):
     """
 
     name = "model_parallel"
-    memory_profiles = ()  # the planner's N-D profiles: parallel/plan.py
+    # parallama-plan searches its sizes (parallel/layouts.py); FSDP2's engine and working set, as strategy=fsdp
+    memory_profiles = (
+        MemoryProfile(
+            "model_parallel",
+            "strategy=model_parallel",
+            "fsdp",
+            "pgo",
+            gathered="working",
+            guide="model parallel",
+            layouts=True,
+        ),
+    )
 
     def __init__(
         self,
@@ -65,6 +78,7 @@ class ModelParallel(FSDP2):
             **kwargs,
         )
         self.sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
+        self._context_parallel = ContextParallelStep()
         self.sequence_parallel = sequence_parallel
         self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
             pp_schedule,
@@ -131,14 +145,17 @@ class ModelParallel(FSDP2):
                 torch.distributed.all_reduce(loss)
                 loss = loss / self.world_size
             return loss
-        with self.loss_context():
-            loss = _full_tensor(module.loss(batch))
+        if self.dims.cp > 1:  # context parallel: the sequence split over the cp ranks (parallel/context.py)
+            loss = self._context_parallel.loss(module, batch, self.mesh["cp"], self.loss_context())
+        else:
+            with self.loss_context():
+                loss = _full_tensor(module.loss(batch))
         if not loss.requires_grad or self.world_size == 1:
             return loss
         mean = loss.detach().clone()
         torch.distributed.all_reduce(
             mean
-        )  # the tp ranks of a batch hold the same value: sum / world = dp mean
+        )  # the tp (and cp) ranks of a batch hold the same value: sum / world = dp mean
         return loss + (mean / self.world_size - loss.detach())
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
@@ -147,8 +164,11 @@ class ModelParallel(FSDP2):
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self.pipeline.add_grads()
             return self.precision_plugin.post_backward(closure_loss, module)
-        with self.loss_context():  # the parallel cross-entropy's backward needs it too
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            with self.loss_context():  # the parallel cross-entropy's backward needs it too
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._context_parallel.end()  # the ring attention's backward ran inside the context
 
     def inference_model(self, model):
         """The model generation runs on, with full logits (sampling needs the whole vocabulary on every rank).

@@ -1,0 +1,169 @@
+"""N-D layouts for parallama-plan: the per-GPU memory of `strategy=model_parallel` at given sizes (dp_replicate,
+dp_shard, tp, pp, cp), and the search for the first layout that fits.
+
+What each dimension divides (states in `plan.state_bytes`' fsdp engine: fp32 params, grads and AdamW moments,
+bf16 compute copies):
+- tp: the block matmuls (q/k/v/o, gate/up/down) and, vocab-parallel, the embedding and the head; never the
+  norms. Activations inside attention and the MLP (rotated q, k, v, attention output, gate/up and their product)
+  and the logits (the loss is vocab-parallel). Sequence parallel adds the residual stream (the norms' inputs);
+  the inputs of the q/k/v and gate/up projections are all-gathered and saved whole (DTensor's
+  `PrepareModuleInput`, not Megatron's re-gather in backward), so they are never divided.
+- pp: a stage holds ceil(layers / pp) blocks and the embedding (first stage) or the final norm and head (last);
+  the heaviest is counted. Activations: the first stage keeps every micro-batch in flight (GPipe: all
+  `pp_microbatches`; 1F1B: up to pp of them; interleaved 1F1B: 1 + (pp-1)/(pp x stages per rank) times that).
+- cp: the tokens of each sample (all activations), and, FSDP running over dp_shard x cp, the states too.
+- dp_shard (x cp): FSDP shards what a rank holds after tp and pp; dp_replicate does not divide anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from parallama.parallel.dims import ParallelDims
+from parallama.parallel.plan import FP32, Estimate, activation_bytes, state_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None  # None: one per stage (strategy=model_parallel's default)
+    pp_stages_per_rank: int = 1
+
+    @property
+    def microbatches(self) -> int:
+        return self.pp_microbatches or self.dims.pp
+
+    def overrides(self) -> list[str]:
+        """The parallama-train overrides of this layout (sizes that are not the defaults)."""
+        out = ["strategy=model_parallel"]
+        out += [f"strategy.{k}={v}" for k, v in self.dims.sizes().items() if v != 1 or k == "dp_shard"]
+        out += ["strategy.sequence_parallel=true"] if self.sequence_parallel else []
+        if self.dims.pp > 1:
+            out += [f"strategy.pp_schedule={self.pp_schedule}"]
+        return out
+
+    def describe(self) -> str:
+        sizes = " x ".join(f"{k}={v}" for k, v in self.dims.sizes().items() if v > 1) or "1 rank"
+        return sizes + (" + SP" if self.sequence_parallel else "")
+
+
+def _block(c, tp: int) -> tuple[int, int]:
+    """Parameters of one decoder block a tp rank holds: (the matmuls' share, the norms)."""
+    h, kv, i = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    return (2 * h * h + 2 * h * kv + 3 * h * i) // tp, 2 * h
+
+
+def _root(c, dims: ParallelDims) -> int:
+    """The embedding, final norm and head a tp rank holds on the heaviest stage (the last, with pp > 1)."""
+    table = c.vocab_size * c.hidden_size // dims.tp  # vocab-parallel embedding and head
+    tables = 1 if dims.pp > 1 or c.tie_word_embeddings else 2
+    return tables * table + c.hidden_size
+
+
+def stage_params(c, dims: ParallelDims) -> int:
+    """Parameters of the heaviest pipeline stage, as one tp rank holds them (before FSDP shards them)."""
+    matmuls, norms = _block(c, dims.tp)
+    return math.ceil(c.num_hidden_layers / dims.pp) * (matmuls + norms) + _root(c, dims)
+
+
+def in_flight(layout: Layout) -> float:
+    """How many micro-batches' activations the first pipeline stage holds at its peak."""
+    pp, n = layout.dims.pp, layout.microbatches
+    if pp == 1 or layout.pp_schedule == "gpipe":
+        return n
+    if layout.pp_schedule == "interleaved_1f1b":
+        return min(pp, n) * (1 + (pp - 1) / (pp * layout.pp_stages_per_rank))
+    return min(pp, n)  # 1f1b
+
+
+def estimate_layout(
+    c, layout: Layout, *, seq_len: int, micro_batch: int, precision: str, activation_checkpointing: bool
+) -> Estimate:
+    """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step)."""
+    dims = layout.dims
+    per = state_bytes(precision, "fsdp")
+    psi = stage_params(c, dims)
+    shard = dims.dp_shard * dims.cp
+    params, grads, optim = (-(-psi * b // shard) for b in per[:3])
+    matmuls, norms = _block(c, dims.tp)
+    layers = math.ceil(c.num_hidden_layers / dims.pp)
+    # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working")
+    gathered = (_root(c, dims) + min(2, layers) * (matmuls + norms)) * (per[3] or per[0])
+    e = 4 if precision in FP32 else 2
+    tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
+    kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel)
+    stage = replace(c, num_hidden_layers=layers)
+    blocks = activation_bytes(stage, tokens, e, e, activation_checkpointing, head=False, **kwargs)
+    head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
+    if dims.pp == 1:
+        acts = blocks + head
+    else:  # the first stage's micro-batches in flight, or the last stage's one with the head (with
+        # checkpointing the recomputed block is counted per micro-batch in flight: an upper bound)
+        acts = max(int(in_flight(layout) * blocks), blocks + head)
+    return Estimate(params, grads, optim, gathered=gathered, activations=acts)
+
+
+# Ring attention hides its key/value exchange behind the attention compute only on long enough shards: context
+# parallel is considered while each cp rank keeps at least this many tokens of a sample.
+MIN_CP_TOKENS = 4096
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: int) -> list[Layout]:
+    """Every valid layout of nodes x gpus_per_node GPUs, in the order they are tried: no pipeline before a
+    pipeline (it needs micro-batches and idles in its bubble), no context parallel before it (long sequences
+    only: `MIN_CP_TOKENS`), the least tensor parallel (within a node, sequence parallel on where it divides),
+    and across nodes HSDP (shard within a node, replicate across) before FSDP over every GPU."""
+    world, heads = nodes * gpus_per_node, c.num_attention_heads
+    splits = (heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size)
+    found = []
+    for pp in (p for p in divisors(world) if p <= c.num_hidden_layers and micro_batch % p == 0):
+        cps = [
+            k
+            for k in divisors(world // pp)
+            if k == 1 or seq_len % (2 * k) == 0 and seq_len // k >= MIN_CP_TOKENS
+        ]
+        for cp in cps:
+            for tp in divisors(world // (pp * cp)):
+                if tp > gpus_per_node or gpus_per_node % tp or any(s % tp for s in splits):
+                    continue
+                rest = world // (pp * cp * tp)
+                # HSDP: a node's GPUs hold one replica (shard group x cp x tp), the nodes replicate
+                node_replicas = nodes > 1 and pp == 1 and gpus_per_node % (tp * cp) == 0 and rest % nodes == 0
+                replicas = [nodes] if node_replicas else []
+                for dp_replicate in [*replicas, 1]:
+                    dims = ParallelDims(dp_replicate, rest // dp_replicate, cp, tp, pp)
+                    found.append(Layout(dims, sequence_parallel=tp > 1 and (seq_len // cp) % tp == 0))
+    return sorted(found, key=lambda x: (x.dims.pp, x.dims.cp, x.dims.tp, -x.dims.dp_replicate))
+
+
+def search(
+    c,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    gpu_memory_gb: float,
+    checkpointing: tuple[bool, ...] = (False, True),
+) -> tuple[Layout, bool, dict[bool, Estimate]] | tuple[None, None, dict]:
+    """The first layout (and activation checkpointing, off before on) that fits, with its estimates for each
+    `checkpointing`; else (None, None, {}) and nothing fits."""
+    shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision)
+    for layout in candidates(
+        c, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len, micro_batch=micro_batch
+    ):
+        plans = {
+            ckpt: estimate_layout(c, layout, activation_checkpointing=ckpt, **shape) for ckpt in checkpointing
+        }
+        for ckpt in checkpointing:
+            if plans[ckpt].fits(gpu_memory_gb):
+                return layout, ckpt, plans
+    return None, None, {}

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: train test lint bench clean
+.PHONY: train test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)  ## train the default tiny model on the embedded corpus (extra overrides: make train ARGS="...")
 	$(BIN)/parallama-train $(ARGS)
 
-test: $(STAMP)  ## the whole CPU test suite (multi-process cases included)
-	$(BIN)/python -m pytest $(ARGS)
+test: $(STAMP)  ## the whole CPU test suite: tests/unit, tests/integration, tests/distributed (what CI runs)
+	$(BIN)/python -m pytest --durations=25 $(ARGS)
+
+test-fast: $(STAMP)  ## unit tests only (no training run; under 2 minutes)
+	$(BIN)/python -m pytest tests/unit --durations=10 $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

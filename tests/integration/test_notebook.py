@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_run.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "inspect_run.ipynb"
 
 
 def test_inspect_run_notebook_executes(tiny_run, tmp_path, monkeypatch):

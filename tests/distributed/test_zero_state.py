@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO <-> universal state (parallama.checkpoint.zero), on real multi-process DeepSpeed runs (gloo).
 
-The running-engine functions are driven from inside training by tests/zero_probe.py (a Lightning callback added
+The running-engine functions are driven from inside training by tests/distributed/zero_probe.py (a Lightning callback added
 with a Hydra override); each run is its own subprocess, as Lightning's ddp re-executes the command line.
 """
 

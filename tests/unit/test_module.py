@@ -1,4 +1,4 @@
-"""LightningModule pieces and config checks that need no training run."""
+"""LightningModule pieces and config checks that need no training run (compile: tests/integration/test_compile.py)."""
 
 from __future__ import annotations
 
@@ -142,13 +142,3 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
 def test_strategy_that_cannot_run_on_the_accelerator(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(CONF_DIR, "train", overrides)
-
-
-def test_compiled_blocks_match_eager():
-    """`compile=true` compiles each decoder block in place (inductor on CPU needs a C++ compiler: gcc here)."""
-    torch.manual_seed(0)
-    eager, compiled = tiny_module(), tiny_module(compile=True)
-    compiled.model.load_state_dict(eager.model.state_dict())
-    assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
-    ids = torch.randint(0, 64, (2, 16))
-    torch.testing.assert_close(compiled.model(ids), eager.model(ids), rtol=1e-4, atol=1e-4)

@@ -3,15 +3,12 @@ boundaries, so a packed window computes what each of its documents computes alon
 
 from __future__ import annotations
 
-import csv
-import math
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train
 
 from parallama.data import TextDataModule, byte_level, embedded, special_ids
 from parallama.data.datasets import IGNORE_INDEX, PackedDataset
@@ -263,35 +260,3 @@ def test_document_mask_needs_packing(tmp_path):
 
 
 # --- training end to end ----------------------------------------------------------------------
-
-
-def finite_train_losses(run_dir) -> list[float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        losses = [float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]]
-    assert losses and all(math.isfinite(x) for x in losses)
-    return losses
-
-
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        # one process, but the model wrapped as in multi-GPU runs: the new forward arguments go through
-        # FSDP2's hooks (bf16 compute), and through activation checkpointing's wrapper of every block
-        ["strategy=fsdp", "strategy.mixed_precision=bf16", "activation_checkpointing=true"],
-        pytest.param(
-            ["strategy=ddp", "trainer.devices=2"], marks=[pytest.mark.multiprocess, pytest.mark.slow]
-        ),
-    ],
-    ids=["fsdp1", "ddp2"],  # ddp2: ~40 s on 2 cores
-)
-def test_cli_trains_with_document_mask(strategy, tmp_path, data_cache):
-    run = tmp_path / "run"
-    train(
-        "data.document_mask=true",
-        "trainer.max_steps=2",
-        *strategy,
-        cwd=tmp_path,
-        cache=data_cache,
-        run_dir=run,
-    )
-    assert len(finite_train_losses(run)) == 2

@@ -2,7 +2,7 @@
 
 72 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
 Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
-`test_cli_*` check on the real command line that the line is all the user sees.
+tests/integration/test_bad_config_cli.py checks on the real command line that the line is all the user sees.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-from conftest import run_cli
 
 from parallama import CONF_DIR
 from parallama.config.compose import preflight
@@ -170,30 +169,3 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
 )
 def test_good_input_passes(overrides):
     preflight(CONF_DIR, "train", overrides)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["trainer.max_stepz=3"],
-            "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
-        ),
-        (["-m", "optimizer.lr=1e-3,2"], "error: optimizer.lr=2 is not valid"),
-        (["--cfg", "job", "data.packing=maybe"], "error: data.packing='maybe' is not valid"),
-        # raised inside a constructor Hydra instantiates: still one line, naming the key
-        (
-            ["+trainer.bogus=1"],
-            "error: trainer: Trainer.__init__() got an unexpected keyword argument 'bogus'",
-        ),
-    ],
-)
-def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
-    proc = run_cli(
-        "parallama.cli.train", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    assert message in out
-    assert "Traceback" not in out and "Error executing job" not in out
-    assert len([line for line in out.splitlines() if "error:" in line]) == 1

@@ -2,7 +2,7 @@
 
 Each case runs the CLI as subprocesses in its own session (so a signal to the process group reaches only its
 ranks). Under Lightning's launcher rank 0 is the parent of rank 1. The default suite runs a covering subset;
-the full strategy x signal matrix is marked `slow` (`pytest -m slow tests/test_faults.py`).
+the full strategy x signal matrix is marked `slow` (`pytest -m slow tests/distributed/test_faults.py`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,27 @@
+"""`compile=true` through the LightningModule: inductor compiles each block in place (~10 s on CPU, a C++
+compiler needed: gcc here), so it sits with the integration tests rather than the unit ones."""
+
+from __future__ import annotations
+
+import torch
+
+from parallama.training.module import CausalLM
+
+MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+OPTIMIZER = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None)
+SCHEDULER = dict(warmup_steps=2, warmup_start_factor=0.1, min_lr_ratio=0.0)
+
+
+def built(**overrides) -> CausalLM:
+    module = CausalLM(model=MODEL, optimizer=OPTIMIZER, scheduler=SCHEDULER, **overrides)
+    module.configure_model()
+    return module
+
+
+def test_compiled_blocks_match_eager():
+    torch.manual_seed(0)
+    eager, compiled = built(), built(compile=True)
+    compiled.model.load_state_dict(eager.model.state_dict())
+    assert eager.model.state_dict().keys() == compiled.model.state_dict().keys()
+    ids = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(compiled.model(ids), eager.model(ids), rtol=1e-4, atol=1e-4)

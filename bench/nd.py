@@ -157,6 +157,7 @@ def fits(layout: dict, world: int) -> bool:
 def run(args) -> dict:
     quiet()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines on every rank
     info = machine()
     print_machine(info)
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
@@ -172,10 +173,14 @@ def run(args) -> dict:
     for r in range(args.repeats):
         for name, layout in layouts.items():
             rounds[name].append(measure(layout, args))
-        print(f"round {r + 1}: " + "  ".join(f"{n} {v[-1]['step_s'] * 1e3:.0f} ms" for n, v in rounds.items()))
+        print(
+            f"round {r + 1}: " + "  ".join(f"{n} {v[-1]['step_s'] * 1e3:.0f} ms" for n, v in rounds.items())
+        )
     base = "fsdp"
     results: dict = {"config": vars(args), "layouts": {}}
-    print(f"\n{'layout':<12} {'step ms':>8} {'/ fsdp':>7} {'MB per step':>12} {'/ fsdp':>7}  collectives (MB)")
+    print(
+        f"\n{'layout':<12} {'step ms':>8} {'/ fsdp':>7} {'MB per step':>12} {'/ fsdp':>7}  collectives (MB)"
+    )
     for name, runs in rounds.items():
         step_ratio = median([a["step_s"] / b["step_s"] for a, b in zip(runs, rounds[base])])
         volume = {kind: n / 1e6 for kind, n in runs[-1]["bytes"].items()}
@@ -203,7 +208,9 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp and hsdp)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step, all ranks together")
+    p.add_argument(
+        "--global-batch", type=int, default=8, help="samples per optimizer step, all ranks together"
+    )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (median step time)")

@@ -7,10 +7,10 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, overhead
+from bench import data, ddp_scaling, gpu, nd, overhead
 
-BENCHMARKS = {"overhead": overhead, "data": data, "ddp-scaling": ddp_scaling, "gpu": gpu}
-CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling")
+BENCHMARKS = {"overhead": overhead, "data": data, "ddp-scaling": ddp_scaling, "nd": nd, "gpu": gpu}
+CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@
 2. Ablation on llama_180m: each row changes one thing from the baseline.
 3. Peak `torch.cuda.max_memory_allocated` of `parallama-train` on 1 device for every memory profile the strategy
    classes declare (the configurations `parallama-plan` weighs), next to `parallama.cli.plan.estimate` for it.
+4. With 2 or more GPUs, the N-D layouts of `python -m bench nd` (NCCL, bf16 FSDP mixed precision) on all of them.
 """
 
 from __future__ import annotations
@@ -231,6 +232,20 @@ def run(args) -> dict:
             "plan_estimate_bytes": estimated,
         }
         print(f"{name:<20} {_gib(measured):>12} {_gib(estimated):>9}  {' '.join(overrides)}")
+    if torch.cuda.device_count() >= 2:
+        from types import SimpleNamespace
+
+        from bench import nd
+
+        world = 4 if torch.cuda.device_count() >= 4 else 2
+        print(f"\nN-D layouts on {world} GPUs (python -m bench nd --device cuda --world {world})")
+        nd_args = SimpleNamespace(
+            model="llama3_2_1b", world=world, device="cuda", layouts=list(nd.LAYOUTS), global_batch=4 * world,
+            seq_len=2048, warmup=3, steps=10, repeats=3, out=None,
+        )  # fmt: skip
+        results["nd"] = nd.run(nd_args)
+    else:
+        print("\nN-D layouts: one GPU here; `python -m bench nd --device cuda --world N` needs N >= 2 GPUs")
     save(args.out, "gpu", info, results)
     return results
 

@@ -71,3 +71,17 @@ def test_ddp_scaling(capsys, tmp_path, cache):
 def test_gpu_without_cuda_exits_cleanly(capsys):
     main(["gpu"])
     assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_nd(capsys, tmp_path, cache):
+    """Two layouts that take different paths (FSDP's all-gathers, TP's DTensor all-reduces) on 2 gloo ranks."""
+    tiny = ["--warmup", "1", "--steps", "1", "--repeats", "1", "--global-batch", "4", "--seq-len", "32"]
+    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp")
+    layouts = result["layouts"]
+    assert set(layouts) == {"fsdp", "tp"} and layouts["tp"]["dims"]["tp"] == 2
+    assert layouts["fsdp"]["step_ratio_to_fsdp"] == 1.0 and layouts["tp"]["step_ratio_to_fsdp"] > 0
+    assert layouts["fsdp"]["collective_mb_per_step"]["all_gather"] > 0  # the sharded weights gathered
+    assert layouts["tp"]["collective_mb_per_step"]["all_reduce"] > 0  # the row-wise layers' partial sums
+    assert "all_gather" not in layouts["tp"]["collective_mb_per_step"]  # tp=2 x dp 1: nothing to gather
+    assert "layout" in text and "/ fsdp" in text

@@ -1,0 +1,217 @@
+"""`nd`: N-D parallel layouts side by side: step time and bytes communicated per optimizer step, as ratios to FSDP.
+
+Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
+(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through the Llama's own plan
+(`models/llama/parallelize.parallelize` with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
+a data-parallel rank trains global batch / dp samples, the tp ranks of a batch share it. Layouts alternate for
+`--repeats` rounds; ratios are medians of the per-round ratios.
+
+Bytes: one profiled step after the timed ones, what rank 0 hands to the communication backend (the input of
+every `gloo:*` / `nccl:*` call, DTensor's and FSDP2's alike): an all-reduce its whole tensor, an all-gather its
+own shard. Gloo has no reduce-scatter: FSDP2 all-reduces the full gradients there (NCCL reduce-scatters them), so
+on CPU FSDP's figure is its all-gathers plus full-size gradient all-reduces. It is not what the wire carries (a
+ring all-reduce sends 2(n-1)/n of its tensor per rank), but it compares layouts on one backend.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.common import machine, median, preset, print_machine, quiet, save
+
+LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world sizes that fit them
+    "fsdp": dict(dp_shard=-1),
+    "replicate": dict(dp_replicate=-1, dp_shard=1),
+    "tp": dict(dp_shard=-1, tp=2),
+    "tp+sp": dict(dp_shard=-1, tp=2, sequence_parallel=True),
+    "fsdp x tp": dict(dp_shard=2, tp=2),
+    "hsdp": dict(dp_replicate=2, dp_shard=2),
+}
+BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def collective_bytes(prof) -> dict[str, int]:
+    """Per collective kind, the bytes a rank hands to the communication backend in a profile (see the module
+    docstring): the input of every `gloo:*` / `nccl:*` call."""
+    total: dict[str, int] = {}
+    for event in prof.events():
+        backend, _, kind = event.name.partition(":")
+        if backend not in ("gloo", "nccl") or not event.input_shapes:
+            continue
+        size = sum(
+            BYTES.get(dtype, 4) * torch.Size(shape).numel()
+            for shape, dtype in zip(event.input_shapes, event.input_dtypes)
+            if shape
+        )
+        total[kind] = total.get(kind, 0) + size
+    return total
+
+
+def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.profiler import ProfilerActivity, profile
+
+    from parallama.models.llama.config import LlamaConfig
+    from parallama.models.llama.model import Llama
+    from parallama.models.llama.parallelize import parallelize
+    from parallama.parallel.dims import ParallelDims
+    from parallama.parallel.options import FSDPOptions, ParallelizeOptions
+    from parallama.parallel.strategies.model_parallel import clip_grad_norm_
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    sizes = {k: v for k, v in layout.items() if k != "sequence_parallel"}
+    dims = ParallelDims.resolve(world, **sizes)
+    mesh = dims.build_mesh(device.type)
+    tp = dims.tp > 1
+    torch.manual_seed(0)
+    with device:
+        model = Llama(LlamaConfig(**preset(args.model, 256)))
+    options = ParallelizeOptions(
+        dims=dims,
+        mesh=mesh,
+        fsdp=FSDPOptions(mixed_precision="bf16" if cuda else None),
+        sequence_parallel=layout.get("sequence_parallel", False),
+        loss_parallel=tp,
+    )
+    parallelize(model, options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    per_rank = args.global_batch // dims.dp_size
+    generator = torch.Generator().manual_seed(dims.dp_rank(rank))
+    vocab = model.config.vocab_size
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (per_rank, args.seq_len + 1), generator=generator).to(device)
+        with loss_parallel() if tp else torch.enable_grad():
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss.item()  # waits for the device
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    if rank == 0:
+        queue.put({"step_s": statistics.median(times), "bytes": collective_bytes(prof), "dims": dims.sizes()})
+    dist.destroy_process_group()
+
+
+def measure(layout: dict, args) -> dict:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.SimpleQueue(), _free_port()
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.world, port, layout, args, queue)) for r in range(args.world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    return queue.get()
+
+
+def fits(layout: dict, world: int) -> bool:
+    from parallama.errors import ConfigError
+    from parallama.parallel.dims import ParallelDims
+
+    try:
+        ParallelDims.resolve(world, **{k: v for k, v in layout.items() if k != "sequence_parallel"})
+    except ConfigError:
+        return False
+    return True
+
+
+def run(args) -> dict:
+    quiet()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines on every rank
+    info = machine()
+    print_machine(info)
+    if args.device == "cuda" and torch.cuda.device_count() < args.world:
+        print(f"nd: {args.world} ranks need {args.world} GPUs, this machine has {torch.cuda.device_count()}")
+        return {}
+    layouts = {n: LAYOUTS[n] for n in args.layouts if fits(LAYOUTS[n], args.world)}
+    print(
+        f"# nd: model={args.model} seq_len={args.seq_len} global batch={args.global_batch}, {args.world} ranks "
+        f"on {args.device}, {args.warmup} warmup + {args.steps} timed steps, {args.repeats} rounds; "
+        f"layouts: {', '.join(layouts)}"
+    )
+    rounds: dict[str, list[dict]] = {name: [] for name in layouts}
+    for r in range(args.repeats):
+        for name, layout in layouts.items():
+            rounds[name].append(measure(layout, args))
+        print(
+            f"round {r + 1}: " + "  ".join(f"{n} {v[-1]['step_s'] * 1e3:.0f} ms" for n, v in rounds.items())
+        )
+    base = "fsdp"
+    results: dict = {"config": vars(args), "layouts": {}}
+    print(
+        f"\n{'layout':<12} {'step ms':>8} {'/ fsdp':>7} {'MB per step':>12} {'/ fsdp':>7}  collectives (MB)"
+    )
+    for name, runs in rounds.items():
+        step_ratio = median([a["step_s"] / b["step_s"] for a, b in zip(runs, rounds[base])])
+        volume = {kind: n / 1e6 for kind, n in runs[-1]["bytes"].items()}
+        total = sum(volume.values())
+        base_total = sum(rounds[base][-1]["bytes"].values()) / 1e6
+        results["layouts"][name] = {
+            "dims": runs[-1]["dims"],
+            "sequence_parallel": LAYOUTS[name].get("sequence_parallel", False),
+            "step_s": [x["step_s"] for x in runs],
+            "step_ratio_to_fsdp": step_ratio,
+            "collective_mb_per_step": volume,
+            "bytes_ratio_to_fsdp": total / base_total if base_total else None,
+        }
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(volume.items()))
+        print(
+            f"{name:<12} {median([x['step_s'] for x in runs]) * 1e3:>8.0f} {step_ratio:>6.2f}x "
+            f"{total:>12.2f} {total / base_total if base_total else float('nan'):>6.2f}x  {kinds}"
+        )
+    save(args.out, "nd", info, results)
+    return results
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="a conf/model preset (heads must divide by 2 for tp)")
+    p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp and hsdp)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument(
+        "--global-batch", type=int, default=8, help="samples per optimizer step, all ranks together"
+    )
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (median step time)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallama.runtime.launch import use_private_torch_extensions
 
@@ -30,6 +31,15 @@ TINY = [
     "model.num_hidden_layers=2",
     "sample.max_new_tokens=16",
 ]
+
+
+@pytest.fixture
+def no_wandb_account(tmp_path, monkeypatch):
+    """A HOME without `wandb login`'s netrc: W&B must pick offline mode by itself, and nothing touches ~."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
 
 
 # Set by launchers (an in-process ddp_spawn run leaves them in os.environ); a test's runs start without them.
@@ -102,3 +112,16 @@ def tiny_run(tmp_path_factory, data_cache) -> FinishedRun:
     run_dir = tmp / ("a-directory-name-long-enough-to-pass-eighty-columns-" * 2) / "run"
     proc = train(*SHARED_RUN, cwd=tmp, cache=data_cache, run_dir=run_dir)
     return FinishedRun(run_dir, proc.stdout + proc.stderr)
+
+
+# Long runs (tests/integration/test_resume.py, tests/distributed/test_faults.py): validation off the critical path; periodic checkpoints every 3 optimizer steps; ~250 batches per epoch,
+# so every stop below lands in the middle of the first epoch.
+LONG = [
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=1000",
+    "callbacks.last_checkpoint.every_n_train_steps=3",
+]
+
+
+def weights(ckpt) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]

@@ -19,8 +19,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import TINY, train
-from test_resume import LONG, weights
+from conftest import LONG, TINY, train, weights
 
 from parallama.checkpoint.read import load_checkpoint
 

@@ -10,10 +10,12 @@ import pytest
 import yaml
 from conftest import TINY, run_cli, train
 from hydra import compose, initialize_config_dir
-from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixture applies here too)
+from wandb_files import wandb_run
 
 from parallama import CONF_DIR
 from parallama.checkpoint.formats import client_state
+
+pytestmark = pytest.mark.usefixtures("no_wandb_account")  # W&B picks offline mode by itself
 
 
 def free_port() -> int:

@@ -12,19 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY, run_cli, train
-
-# Validation off the critical path; periodic checkpoints every 3 optimizer steps; ~250 batches per epoch,
-# so every stop below lands in the middle of the first epoch.
-LONG = [
-    "trainer.max_steps=40",
-    "trainer.val_check_interval=1000",
-    "callbacks.last_checkpoint.every_n_train_steps=3",
-]
-
-
-def weights(ckpt) -> dict:
-    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+from conftest import LONG, TINY, run_cli, train, weights
 
 
 def checkpoint_step(ckpt) -> int:

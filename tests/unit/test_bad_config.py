@@ -20,7 +20,10 @@ CASES = [  # (overrides, what the one line must say)
     (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
     (["model.foo=1"], "unknown config key 'model.foo'; to add a new key write +model.foo=..."),
     (["+model.foo=1"], "model: LlamaConfig.__init__() got an unexpected keyword argument 'foo'"),
-    (["model=tinyy"], "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_70b, llama3_8b"),
+    (
+        ["model=tinyy"],
+        "model=tinyy is not an option of config group 'model'; valid: llama3_2_1b, llama3_70b, llama3_8b",
+    ),
     (["strategy=zero"], "strategy=zero is not an option of config group 'strategy'; valid: auto, ddp"),
     (["debug=fast"], "debug=fast is not an option of config group 'debug'"),
     (["logger=mlflow"], "logger=mlflow is not an option of config group 'logger'"),

@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from parallama.errors import ConfigError
 from parallama.runtime.launch import JOB_RETURN_ENV, free_port, job_command
@@ -135,7 +134,9 @@ class DeviceLauncher(Launcher):
                 for job in [j for j in running if j.proc.poll() is not None]:
                     running.remove(job)
                     free = sorted(free + job.devices, key=pool.index)
-                    log.info(f"#{job.idx} ended (status {job.proc.returncode}, {time.time() - job.started:.0f} s)")
+                    log.info(
+                        f"#{job.idx} ended (status {job.proc.returncode}, {time.time() - job.started:.0f} s)"
+                    )
         except BaseException:
             for job in running:
                 job.proc.send_signal(signal.SIGTERM)
@@ -165,20 +166,26 @@ class DeviceLauncher(Launcher):
         devices = ("GPU " if gpu else "CPU cores ") + ",".join(job.devices)
         log.info(f"#{job.idx} on {devices}: {' '.join(filter_overrides(job.overrides))} -> {job.dir}")
         job.proc = subprocess.Popen(
-            command, env=env, cwd=os.getcwd(), stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=pin
+            command,
+            env=env,
+            cwd=os.getcwd(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=pin,
         )
         job.started = time.time()
         if out is not None:
             out.close()
 
     def _result(self, job: _Job) -> JobReturn:
-        ret = JobReturn(overrides=job.overrides, working_dir=str(job.dir), task_name=self.config.hydra.job.name)
+        ret = JobReturn(
+            overrides=job.overrides, working_dir=str(job.dir), task_name=self.config.hydra.job.name
+        )
         result = job.dir / ".job_return.json"
         if job.proc.returncode == 0 and result.exists():
             ret.status, ret.return_value = JobStatus.COMPLETED, json.loads(result.read_text())
         else:
             ret.status, ret.return_value = JobStatus.FAILED, JobFailed(job.proc.returncode, job.dir)
-        ret.cfg = OmegaConf.create({"overrides": job.overrides})
         return ret
 
 
@@ -215,6 +222,8 @@ def jobs_at_once(n_jobs: int | None, devices: int, per_job: int) -> int:
     """`hydra.launcher.n_jobs`, or as many jobs as the devices hold (at least one)."""
     if n_jobs is not None:
         if n_jobs < 1:
-            raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: use an integer >= 1 (or null: devices // job)")
+            raise ConfigError(
+                f"hydra.launcher.n_jobs={n_jobs}: use an integer >= 1 (or null: devices // job)"
+            )
         return n_jobs
     return max(1, devices // max(1, per_job))

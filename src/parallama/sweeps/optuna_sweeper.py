@@ -22,6 +22,7 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 from hydra.plugins.sweeper import Sweeper
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallama.errors import ConfigError
@@ -33,7 +34,8 @@ TRIAL_KEY = "callbacks.optuna_pruning"
 
 
 class OptunaPruningSweeper(Sweeper):
-    """Optuna's ask/tell loop over Hydra's launcher, with the study in `storage`."""
+    """Optuna's ask/tell loop over Hydra's launcher, with the study in `storage`. `sampler` and `pruner` are
+    configs (`_target_`), instantiated when the study is opened."""
 
     def __init__(
         self,
@@ -70,11 +72,19 @@ class OptunaPruningSweeper(Sweeper):
             raise ConfigError("hydra.sweeper.storage is null: set a database, e.g. sqlite:///optuna.db")
         if self.storage.startswith("sqlite:///"):
             Path(self.storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        storage = sqlite_storage(self.storage)
+        try:  # a study continued: its sampler's seed moves on, or it would draw the first run's points again
+            seen = len(
+                optuna.load_study(study_name=self.study_name, storage=storage).get_trials(deepcopy=False)
+            )
+        except KeyError:
+            seen = 0
+        seed = {"seed": self.sampler.seed + seen} if self.sampler.get("seed") is not None else {}
         study = optuna.create_study(
             study_name=self.study_name,
-            storage=sqlite_storage(self.storage),
-            sampler=self.sampler,
-            pruner=self.pruner,
+            storage=storage,
+            sampler=instantiate(self.sampler, **seed),
+            pruner=instantiate(self.pruner),
             direction=self.direction,
             load_if_exists=True,
         )
@@ -90,10 +100,18 @@ class OptunaPruningSweeper(Sweeper):
             overrides = []
             for trial in trials:
                 job = [*fixed, *(f"{key}={value}" for key, value in trial.params.items())]
+                if ckpt := trial.user_attrs.get("resume_from"):  # an interrupted trial, run again
+                    job.append(f"ckpt_path='{ckpt}'")
                 overrides.append([*job, f"{TRIAL_KEY}.trial={trial.number}"] if prunes else job)
-            results = self.launcher.launch(overrides, initial_job_idx=job_idx)
+            try:
+                results = self.launcher.launch(overrides, initial_job_idx=job_idx)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs have checkpointed and ended
+                log.warning(f"sweep interrupted: run the same command to continue study {self.study_name!r}")
+                raise SystemExit(130) from None
             job_idx += len(trials)
-            errors = [err for trial, result in zip(trials, results) if (err := self.tell(study, trial, result))]
+            errors = [
+                err for trial, result in zip(trials, results) if (err := self.tell(study, trial, result))
+            ]
             if errors:  # a bug or a bad config, which every trial would meet alike
                 raise errors[0]
             returns.append(results)
@@ -101,8 +119,9 @@ class OptunaPruningSweeper(Sweeper):
         return returns
 
     def continue_study(self, study) -> None:
-        """Trials left running by an interrupted sweep failed: run their parameters again, first. A new study
-        starts with `enqueue_trials` (settings known to be good, or bad, to compare against)."""
+        """Trials left running by an interrupted sweep failed: run their parameters again, first, from the
+        trial's last.ckpt when it wrote one. A new study starts with `enqueue_trials` (settings known to be good,
+        or bad, to compare against)."""
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
@@ -111,8 +130,14 @@ class OptunaPruningSweeper(Sweeper):
                 study.enqueue_trial(params)
         for trial in (t for t in trials if t.state == TrialState.RUNNING):
             study.tell(trial.number, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-            log.info(f"trial {trial.number} was interrupted: running {trial.params} again")
+            attrs = {"retry_of": trial.number}
+            last = Path(trial.user_attrs.get("output_dir", "-")) / "checkpoints" / "last.ckpt"
+            if last.exists():
+                attrs["resume_from"] = str(last)
+            study.enqueue_trial(trial.params, user_attrs=attrs)
+            log.info(
+                f"trial {trial.number} was interrupted: running {trial.params} again from {attrs.get('resume_from', 'the start')}"
+            )
         if done := finished(study):
             log.info(f"study {self.study_name!r} continues with {done} of {self.n_trials} trials finished")
 
@@ -122,7 +147,8 @@ class OptunaPruningSweeper(Sweeper):
 
         from parallama.sweeps.launcher import JobFailed
 
-        trial.set_user_attr("output_dir", result.working_dir)
+        if "output_dir" not in trial.user_attrs:  # set by the job's pruning callback, if it has one
+            trial.set_user_attr("output_dir", str(Path(result.working_dir).resolve()))
         try:
             value = result.return_value
         except JobFailed as err:
@@ -156,7 +182,9 @@ class OptunaPruningSweeper(Sweeper):
                 best_output_dir=best.user_attrs.get("output_dir"),
             )
         OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
-        log.info(f"{OmegaConf.to_yaml(OmegaConf.create(results))}-> {sweep_dir / 'optimization_results.yaml'}")
+        log.info(
+            f"{OmegaConf.to_yaml(OmegaConf.create(results))}-> {sweep_dir / 'optimization_results.yaml'}"
+        )
 
 
 def finished(study) -> int:
@@ -176,7 +204,9 @@ def search_space(arguments: list[str], params: dict) -> tuple[list[str], dict]:
     fixed = [o.input_line for o in last.values() if not o.is_sweep_override()]
     space = {key: distribution(o) for key, o in last.items() if o.is_sweep_override()}
     if not space:
-        raise ConfigError("hydra.sweeper.params is empty: nothing to search (e.g. optimizer.lr: interval(1e-4,1e-2))")
+        raise ConfigError(
+            "hydra.sweeper.params is empty: nothing to search (e.g. optimizer.lr: interval(1e-4,1e-2))"
+        )
     return fixed, space
 
 
@@ -197,4 +227,6 @@ def distribution(override):
         if "int" in value.tags:
             return IntDistribution(int(value.start), int(value.end), log=log_scale)
         return FloatDistribution(value.start, value.end, log=log_scale)
-    raise ConfigError(f"{key}={override.input_line.split('=', 1)[1]}: not a search space (choice, range, interval)")
+    raise ConfigError(
+        f"{key}={override.input_line.split('=', 1)[1]}: not a search space (choice, range, interval)"
+    )

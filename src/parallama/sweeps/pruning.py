@@ -15,6 +15,7 @@ trial ends as a finished run (last.ckpt written, loggers closed), its sweeper to
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
@@ -33,7 +34,9 @@ class OptunaPruning(Callback):
     """Reports `monitor` at each validation of `fit` (step = optimizer steps) to trial number `trial` of the
     study, and stops training on every rank when the pruner prunes. `trial: null` (a run outside a sweep): off."""
 
-    def __init__(self, monitor: str, storage: str, study_name: str, pruner=None, trial: int | None = None) -> None:
+    def __init__(
+        self, monitor: str, storage: str, study_name: str, pruner=None, trial: int | None = None
+    ) -> None:
         self.monitor, self.storage, self.study_name = monitor, storage, study_name
         self.pruner, self.trial_number = pruner, trial
         self._trial = None
@@ -50,6 +53,11 @@ class OptunaPruning(Callback):
             self._trial = optuna.trial.Trial(study, trial_id)
         return self._trial
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """Where the trial's run lives: a sweep interrupted mid-trial runs it again from its last.ckpt."""
+        if self.trial_number is not None and trainer.is_global_zero:
+            self.trial().set_user_attr("output_dir", str(Path(trainer.default_root_dir).resolve()))
+
     def on_validation_end(self, trainer, pl_module) -> None:
         if self.trial_number is None or trainer.sanity_checking or trainer.state.fn != "fit":
             return
@@ -58,13 +66,17 @@ class OptunaPruning(Callback):
         if trainer.is_global_zero:
             value = trainer.callback_metrics.get(self.monitor)
             if value is None:
-                raise KeyError(f"callbacks.optuna_pruning.monitor={self.monitor} was not logged at validation")
+                raise KeyError(
+                    f"callbacks.optuna_pruning.monitor={self.monitor} was not logged at validation"
+                )
             trial = self.trial()
             trial.report(float(value), step)
             prune = trial.should_prune()
             if prune:
                 trial.set_user_attr("pruned_at_step", step)
-                log.info(f"trial {self.trial_number} pruned at step {step} ({self.monitor} {float(value):.4f})")
+                log.info(
+                    f"trial {self.trial_number} pruned at step {step} ({self.monitor} {float(value):.4f})"
+                )
         if trainer.strategy.broadcast(prune, src=0):
             trainer.should_stop = True
 
@@ -75,6 +87,10 @@ class OptunaPruning(Callback):
         from parallama.training.callbacks import LastCheckpoint
 
         paths = [getattr(c, "best_model_path", "") for c in trainer.checkpoint_callbacks]
-        paths += [c.path for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint) and c.saved_step is not None]
+        paths += [
+            c.path
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, LastCheckpoint) and c.saved_step is not None
+        ]
         if checkpoint := next((p for p in paths if p), None):
-            self.trial().set_user_attr("checkpoint", str(checkpoint))
+            self.trial().set_user_attr("checkpoint", str(Path(checkpoint).resolve()))

@@ -20,7 +20,6 @@ from conftest import LAUNCH_ENV, TINY, run_cli, train
 from test_tracking import no_wandb_account, wandb_run  # noqa: F401  (the fixture applies here too)
 
 from parallama.checkpoint.formats import client_state
-from parallama.sweeps.launcher import jobs_at_once
 
 
 def sweep_dir(cwd: Path) -> Path:
@@ -53,19 +52,12 @@ def config_lr(job: Path) -> float:
     return yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"]
 
 
-def test_jobs_at_once_is_devices_over_devices_per_job():
-    assert jobs_at_once(None, devices=8, per_job=2) == 4
-    assert jobs_at_once(None, devices=8, per_job=3) == 2
-    assert jobs_at_once(None, devices=1, per_job=2) == 1  # a job bigger than the pool still runs alone
-    assert jobs_at_once(3, devices=8, per_job=1) == 3  # hydra.launcher.n_jobs wins
-
-
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory, data_cache) -> Path:
     """Two one-process jobs on a pool of 2 CPU cores: both at once, each pinned to its own core."""
     cwd = tmp_path_factory.mktemp("grid")
-    args = ["-m", "optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]", "hydra.launcher.devices=[0,1]"]
-    train(*args, cwd=cwd, cache=data_cache)
+    args = ["optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]", "hydra.launcher.devices=[0,1]"]
+    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=cwd)
     return sweep_dir(cwd)
 
 

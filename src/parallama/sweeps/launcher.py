@@ -27,7 +27,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, ListConfig, open_dict
 
 from parallama.errors import ConfigError
 from parallama.runtime.launch import JOB_RETURN_ENV, free_port, job_command
@@ -206,7 +206,7 @@ def uses_gpu(accelerator: str) -> bool:
 def cpu_processes(trainer: DictConfig) -> int:
     from parallama.parallel.dims import processes_per_node
 
-    return processes_per_node(trainer.devices, "cpu")
+    return processes_per_node(_devices(trainer), "cpu")
 
 
 def job_devices(trainer: DictConfig, gpu: bool) -> int:
@@ -215,7 +215,12 @@ def job_devices(trainer: DictConfig, gpu: bool) -> int:
         return cpu_processes(trainer)
     from parallama.parallel.dims import processes_per_node
 
-    return processes_per_node(trainer.devices, "gpu")
+    return processes_per_node(_devices(trainer), "gpu")
+
+
+def _devices(trainer: DictConfig):
+    devices = trainer.devices
+    return list(devices) if isinstance(devices, ListConfig) else devices  # ids: [0, 3]
 
 
 def jobs_at_once(n_jobs: int | None, devices: int, per_job: int) -> int:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import optuna
@@ -31,11 +30,9 @@ def jobs(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name))
 
 
-def span(job: Path) -> tuple[datetime, datetime]:
-    """When the job's run logged its first and its last line (its own train.log)."""
-    stamps = [line[1:24] for line in (job / "train.log").read_text().splitlines() if line.startswith("[20")]
-    first, last = (datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
-    return first, last
+def span(job: Path) -> tuple[float, float]:
+    """When the job's run began (its Hydra wrote .hydra/config.yaml) and ended (it wrote its return value)."""
+    return (job / ".hydra" / "config.yaml").stat().st_mtime, (job / ".job_return.json").stat().st_mtime
 
 
 def overlap(a: Path, b: Path) -> bool:

@@ -109,6 +109,12 @@ class DeviceLauncher(Launcher):
         need = job_devices(cfg.trainer, gpu)
         if cfg.trainer.num_nodes > 1:
             raise ConfigError("trainer.num_nodes > 1: a sweep over several nodes needs launcher=slurm")
+        ids = _devices(cfg.trainer)
+        if gpu and (isinstance(ids, list) or (isinstance(ids, str) and "," in ids)):
+            raise ConfigError(
+                f"trainer.devices={cfg.trainer.devices} names GPUs, but each sweep job gets GPUs of its own: give a "
+                "count (trainer.devices=2) and choose the GPUs with hydra.launcher.devices=[...]"
+            )
         if need > pool_size:
             raise ConfigError(
                 f"trainer.devices={cfg.trainer.devices} but the sweep has {pool_size} device(s) to share out "

@@ -5,9 +5,11 @@ as Lightning's launcher would, but each runs exactly this job: the job's own ove
 directory, never in multirun mode (Lightning re-runs `sys.argv`, which under a Hydra sweep re-runs the whole
 sweep in every child, and under the Optuna sweeper has every child run its own study). The ranks learn their
 place from the environment (`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR/PORT`, `NODE_RANK`), Lightning's public
-contract for processes started outside it. `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
-closes each job's process group and environment so that the next job of a sweep starts its own ranks instead of
-joining the finished job's.
+contract for processes started outside it. parallama's sweep launcher runs each job in a process of its own
+(`job_command`, parallama.sweeps.launcher), which hands its result back through `JobReturnFile`; where jobs share
+one process (Hydra's `hydra/launcher=basic`), `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
+closes each job's process group and environment so that the next job starts its own ranks instead of joining
+the finished job's.
 """
 
 from __future__ import annotations

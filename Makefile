@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# torch first and by exact version: on a CPU-only box with a local wheel this takes seconds.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# replaced by parallama's own Optuna sweeper (it pins optuna 2.x): gone from venvs made before
+	$(BIN)/python -m pip uninstall -y -q hydra-optuna-sweeper 2>/dev/null || true
 	touch $(STAMP)
 
 train: $(STAMP)  ## train the default tiny model on the embedded corpus (extra overrides: make train ARGS="...")

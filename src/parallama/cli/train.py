@@ -1,6 +1,6 @@
 """`parallama-train` (or `python -m parallama.train`): check the command line's config, then run the training job
-(training/run.py) as a Hydra app (conf/train.yaml), a sweep's jobs one by one (`-m`, or an experiment preset
-that asks for one). Returns the final `optimized_metric` to the sweeper (Optuna minimizes it)."""
+(training/run.py) as a Hydra app (conf/train.yaml), or a sweep's jobs (`-m`, or a preset that asks for one), as
+many at once as the devices allow (parallama.sweeps). Returns the final `optimized_metric` to the sweeper (Optuna minimizes it)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> None:
 def setup() -> None:
     """Once the config passed."""
     from parallama.runtime.launch import use_private_torch_extensions
+    from parallama.sweeps import register_plugins
 
     use_private_torch_extensions()
+    register_plugins()
     # parallama's data module restores the position inside the epoch itself (TextDataModule.state_dict), so
     # Lightning's warning that the loader "is not resumable" does not apply.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

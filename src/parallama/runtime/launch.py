@@ -5,13 +5,16 @@ as Lightning's launcher would, but each runs exactly this job: the job's own ove
 directory, never in multirun mode (Lightning re-runs `sys.argv`, which under a Hydra sweep re-runs the whole
 sweep in every child, and under the Optuna sweeper has every child run its own study). The ranks learn their
 place from the environment (`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR/PORT`, `NODE_RANK`), Lightning's public
-contract for processes started outside it. `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
-closes each job's process group and environment so that the next job of a sweep starts its own ranks instead of
-joining the finished job's.
+contract for processes started outside it. parallama's sweep launcher runs each job in a process of its own
+(`job_command`, parallama.sweeps.launcher), which hands its result back through `JobReturnFile`; where jobs share
+one process (Hydra's `hydra/launcher=basic`), `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
+closes each job's process group and environment so that the next job starts its own ranks instead of joining
+the finished job's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -47,7 +50,7 @@ def start_ranks(processes_per_node: int, num_nodes: int) -> None:
     from hydra.utils import get_original_cwd
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("NODE_RANK", "0")
     os.environ["WORLD_SIZE"] = str(processes_per_node * num_nodes)
     os.environ["LOCAL_RANK"] = "0"
@@ -58,6 +61,19 @@ def start_ranks(processes_per_node: int, num_nodes: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     hc = HydraConfig.get()
+    command = [*job_command(hc, hc.overrides.task, hc.runtime.output_dir), "hydra.output_subdir=null"]
+    _ranks.clear()
+    for local_rank in range(1, processes_per_node):
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), CHECKED_ENV: "1"}  # the job was checked here
+        env.pop(JOB_RETURN_ENV, None)  # rank 0 answers the launcher
+        rank_command = [*command, f"hydra.job.name=train_ddp_process_{local_rank}"]
+        _ranks.append(subprocess.Popen(rank_command, env=env, cwd=get_original_cwd()))
+
+
+def job_command(hydra_cfg, overrides, output_dir: str) -> list[str]:
+    """The command that runs this process's Hydra app once more, as one job: `overrides` (a job's task
+    overrides), in `output_dir`, never as a sweep. How a run's other ranks start (`start_ranks`) and how a sweep's
+    jobs start in processes of their own (parallama.sweeps.launcher)."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)  # `python -m <module>`; else a script or a console script
     command = (
@@ -65,22 +81,33 @@ def start_ranks(processes_per_node: int, num_nodes: int) -> None:
         if spec is not None
         else [sys.executable, os.path.abspath(sys.argv[0])]
     )
-    for source in hc.runtime.config_sources:
+    for source in hydra_cfg.runtime.config_sources:
         if source.provider == "command-line":  # a --config-dir the user gave
             command += ["--config-dir", source.path]
-    command += ["--config-name", hc.job.config_name, *hc.overrides.task]
-    command += [f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"]
-    command += ["hydra.mode=RUN"]  # a search preset may set MULTIRUN
-    _ranks.clear()
-    for local_rank in range(1, processes_per_node):
-        env = {**os.environ, "LOCAL_RANK": str(local_rank), CHECKED_ENV: "1"}  # the job was checked here
-        rank_command = [*command, f"hydra.job.name=train_ddp_process_{local_rank}"]
-        _ranks.append(subprocess.Popen(rank_command, env=env, cwd=get_original_cwd()))
+    command += ["--config-name", hydra_cfg.job.config_name, *overrides]
+    command += [f'hydra.run.dir="{output_dir}"', "hydra.mode=RUN"]  # a search preset may set MULTIRUN
+    return command
 
 
 def started_ranks() -> list[subprocess.Popen]:
     """The ranks this process started for the job under way."""
     return list(_ranks)
+
+
+# Where a job started by parallama.sweeps.launcher writes its return value (`JobReturnFile`).
+JOB_RETURN_ENV = "PARALLAMA_JOB_RETURN"
+
+
+class JobReturnFile(Callback):
+    """A job that a sweep's launcher started in a process of its own hands its return value (the optimized
+    metric) back through the file the launcher named in JOB_RETURN_ENV."""
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+
+        path = os.environ.get(JOB_RETURN_ENV)
+        if path and job_return.status == JobStatus.COMPLETED:
+            Path(path).write_text(json.dumps(job_return.return_value))
 
 
 # Set in os.environ for the job under way: by `start_ranks`, a launcher, or W&B's offline logger (WANDB_MODE).
@@ -103,7 +130,7 @@ class JobIsolation(Callback):
             # A port the user fixed (MASTER_PORT=...) would be every job's: the finished job's store can still
             # listen there (a reference cycle keeps it alive) and hand the next job its ranks' stale addresses.
             # Ranks this process starts need only agree with it, so each later job gets a free port.
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         import torch.distributed as dist
@@ -127,7 +154,7 @@ def _launched_externally() -> bool:
     return any(key in os.environ for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LSB_JOBID", "NODE_RANK"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,0 +1,12 @@
+"""Hydra instantiates launchers and sweepers only from the `hydra_plugins` namespace; parallama's live in
+parallama.sweeps and are named here (conf/hydra/launcher/devices.yaml, conf/hydra/sweeper/optuna_pruning.yaml)."""
+
+from parallama.sweeps import launcher, optuna_sweeper
+
+
+class DeviceLauncher(launcher.DeviceLauncher):
+    __doc__ = launcher.DeviceLauncher.__doc__
+
+
+class OptunaPruningSweeper(optuna_sweeper.OptunaPruningSweeper):
+    __doc__ = optuna_sweeper.OptunaPruningSweeper.__doc__

@@ -1,0 +1,13 @@
+"""Sweeps on one machine: jobs spread over its devices (launcher.py), Optuna that prunes and resumes
+(optuna_sweeper.py), and the callback through which a trial reports to its study (pruning.py)."""
+
+
+def register_plugins() -> None:
+    """Hydra finds launchers and sweepers by scanning the `hydra_plugins` namespace, a scan that does not see
+    packages installed in editable mode (`pip install -e`): parallama's are registered by hand as well."""
+    from hydra.core.plugins import Plugins
+
+    import hydra_plugins.parallama_sweeps as plugins
+
+    for plugin in (plugins.DeviceLauncher, plugins.OptunaPruningSweeper):
+        Plugins.instance().register(plugin)

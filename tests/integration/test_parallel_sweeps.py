@@ -1,0 +1,161 @@
+"""Sweeps that use every device: a grid of two one-process jobs at once, and a 4-trial Optuna study on 2
+"devices" (CPU cores) running 2 trials at a time that prunes, reports its best trial, and continues where an
+interrupted sweep stopped."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from conftest import LAUNCH_ENV, TINY, run_cli, train
+from wandb_files import wandb_run
+
+from parallama.checkpoint.formats import client_state
+
+pytestmark = pytest.mark.usefixtures("no_wandb_account")  # W&B picks offline mode by itself
+
+
+def sweep_dir(cwd: Path) -> Path:
+    (sweep,) = (cwd / "logs" / "train" / "multiruns").iterdir()
+    return sweep
+
+
+def jobs(sweep: Path) -> list[Path]:
+    return sorted((p for p in sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name))
+
+
+def span(job: Path) -> tuple[float, float]:
+    """When the job's run began (its Hydra wrote .hydra/config.yaml) and ended (it wrote its return value)."""
+    return (job / ".hydra" / "config.yaml").stat().st_mtime, (job / ".job_return.json").stat().st_mtime
+
+
+def overlap(a: Path, b: Path) -> bool:
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def train_steps(job: Path) -> list[int]:
+    with open(job / "csv" / "metrics.csv") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+
+
+def config_lr(job: Path) -> float:
+    return yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory, data_cache) -> Path:
+    """Two one-process jobs on a pool of 2 CPU cores: both at once, each pinned to its own core."""
+    cwd = tmp_path_factory.mktemp("grid")
+    args = ["optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]", "hydra.launcher.devices=[0,1]"]
+    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=cwd)
+    return sweep_dir(cwd)
+
+
+def test_grid_jobs_run_at_once_each_with_its_own_run(grid):
+    first, second = jobs(grid)
+    assert overlap(first, second)  # as the runs themselves logged it
+    for job, lr in zip((first, second), (1e-3, 2e-3)):
+        assert config_lr(job) == lr
+        assert train_steps(job)[-1] == 3  # the 4th step (index 3): each trained to the end
+        run = wandb_run(job)  # exactly one offline W&B run per job
+        assert run["config"]["config"]["optimizer"]["lr"] == lr
+        assert client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
+        assert (job / "job.out").stat().st_size > 0  # jobs at once print to their own files
+    assert wandb_run(first)["id"] != wandb_run(second)["id"]
+
+
+# 4 trials, 2 at a time: trials 0 and 1 (enqueued, lr 1e-2 and 3e-2, both learn) finish first; trial 2 (enqueued,
+# lr 1e-6: learns nothing) then reports a val/loss worse than their median at step 2 and is pruned; trial 3 is
+# TPE's (seeded). The median pruner may prune from the 3rd trial on (n_startup_trials=2).
+OPTUNA = [
+    "hparams_search=lr_optuna",
+    "hydra.sweeper.n_trials=4",
+    "hydra.launcher.devices=[0,1]",
+    "pruner.n_startup_trials=2",
+    "hydra.sweeper.enqueue_trials=[{optimizer.lr:1e-2},{optimizer.lr:3e-2},{optimizer.lr:1e-6}]",
+]
+
+
+@pytest.fixture(scope="module")
+def study_run(tmp_path_factory, data_cache):
+    cwd = tmp_path_factory.mktemp("optuna")
+    proc = train(*OPTUNA, cwd=cwd, cache=data_cache, timeout=600)
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{cwd}/logs/optuna.db")
+    return sweep_dir(cwd), study, proc.stdout + proc.stderr
+
+
+def test_optuna_runs_two_trials_at_a_time(study_run):
+    sweep, _, _ = study_run
+    t0, t1, t2, t3 = jobs(sweep)
+    assert overlap(t0, t1) and overlap(t2, t3)
+    assert span(t2)[0] > max(span(t0)[1], span(t1)[1])  # the second pair was asked after the first ended
+
+
+def test_optuna_prunes_the_trial_that_learns_nothing(study_run):
+    sweep, study, _ = study_run
+    trials = study.get_trials()
+    assert [t.params["optimizer.lr"] for t in trials[:3]] == [1e-2, 3e-2, 1e-6]
+    assert [t.state.name for t in trials[:3]] == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert trials[2].user_attrs["pruned_at_step"] == 2
+    assert list(trials[2].intermediate_values) == [2]  # reported at step 2, then stopped
+    assert train_steps(jobs(sweep)[2]) == [0, 1]  # the pruned trial trained 2 steps of 4
+    assert client_state(jobs(sweep)[2] / "checkpoints" / "last.ckpt") is not None  # and ended as a run does
+    for t in trials[:2]:  # a finished trial reported at each validation of fit (not the one before it)
+        assert list(t.intermediate_values) == [2, 4] and t.value == t.intermediate_values[4]
+
+
+def test_optuna_reports_the_best_trial_with_its_checkpoint(study_run):
+    sweep, study, output = study_run
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    best = min((t for t in study.get_trials() if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    assert results["best_trial"] == best.number and results["best_value"] == pytest.approx(best.value)
+    assert results["best_params"] == best.params
+    assert Path(results["best_checkpoint"]).is_file()
+    assert Path(results["best_checkpoint"]).parent.parent == jobs(sweep)[best.number]
+    assert (
+        results["trials"]["pruned"] >= 1 and results["trials"]["complete"] + results["trials"]["pruned"] == 4
+    )
+    assert "best_checkpoint" in output
+
+
+def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
+    """SIGTERM while the first trial trains: its job checkpoints and ends, the sweep exits; the same command
+    then runs that trial's parameters again from its last.ckpt, and only the trials still missing."""
+    args = [*TINY, f"paths.cache_dir={data_cache}", "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2"]
+    args += ["hydra.launcher.n_jobs=1", "trainer.max_steps=8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(tmp_path))
+    command = [sys.executable, "-m", "parallama.cli.train", *args]
+    sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "logs" / "train" / "multiruns"
+    deadline = time.time() + 240
+    while not any("step 2  val/loss" in p.read_text() for p in log.glob("*/0/train.log")):
+        assert sweep.poll() is None and time.time() < deadline, sweep.stdout.read()[-3000:]
+        time.sleep(0.5)
+    sweep.send_signal(signal.SIGTERM)
+    output = sweep.communicate(timeout=120)[0].decode()
+    assert sweep.returncode == 130 and "run the same command to continue" in output
+    (first,) = log.iterdir()
+    interrupted = client_state(first / "0" / "checkpoints" / "last.ckpt")
+    assert interrupted is not None
+
+    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, timeout=600)
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path}/logs/optuna.db")
+    t0, t1, t2 = study.get_trials()
+    assert t0.state.name == "FAIL" and t1.user_attrs["retry_of"] == 0 and t1.params == t0.params
+    assert t1.user_attrs["resume_from"] == str(first / "0" / "checkpoints" / "last.ckpt")
+    assert t1.state.name == "COMPLETE" and t2.state.name in ("COMPLETE", "PRUNED")
+    (second,) = [p for p in log.iterdir() if p != first]
+    assert [p.name for p in jobs(second)] == ["0", "1"]  # 2 jobs: the retried trial and the missing one
+    retried = train_steps(jobs(second)[0])
+    assert retried[0] > 0 and retried[-1] == 7  # continued from the checkpoint to the end
+    assert "trial 0 was interrupted" in proc.stdout + proc.stderr

@@ -13,6 +13,7 @@ a dummy one), since a sharded model (FSDP, ZeRO-3) gathers its parameters collec
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from lm_eval.api.registry import register_model
 from tokenizers import Tokenizer
 
 from parallama.data.tokenizer import special_ids
+from parallama.errors import ConfigError
 
 
 @register_model("parallama")
@@ -105,6 +107,10 @@ class ParallamaLM(TemplateLM):
         ((context, continuation), context_ids, continuation_ids)."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if too_long := [r[2] for r in requests if len(r[2]) > self.max_length]:
+            raise ConfigError(
+                f"a continuation of {len(too_long[0])} tokens does not fit the model's context of {self.max_length}"
+            )
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         for batch in self._lockstep(batches):
             if not batch:
@@ -242,12 +248,14 @@ def task_manager(tasks: list[str], cache_dir: str, task_dirs=()):
     own tasks when `tasks` names one of those; a task it does not know is a ConfigError."""
     from lm_eval.tasks import TaskManager
 
-    from parallama.errors import ConfigError
     from parallama.evaluation.tasks import build
 
     include = [str(build(cache_dir)), *map(str, task_dirs)]
     manager = ours = TaskManager(include_path=include, include_defaults=False)
-    if not set(tasks) <= set(ours.all_tasks):  # lm-eval's own tasks: index them too (a few seconds)
+    for task in tasks:  # a near miss of one of ours is a typo: say so before indexing lm-eval's thousands
+        if task not in ours.all_tasks and (close := difflib.get_close_matches(task, ours.all_tasks, n=1)):
+            raise ConfigError(f"tasks: {task} is not an lm-eval task (did you mean {close[0]}?)")
+    if not set(tasks) <= set(ours.all_tasks):  # lm-eval's own tasks: index them too (several seconds)
         manager = TaskManager(include_path=include)
     if unknown := [t for t in tasks if t not in manager.all_tasks]:
         raise ConfigError(
@@ -274,7 +282,7 @@ def evaluate(
         out = evaluator.evaluate(lm, task_dict, limit=limit, bootstrap_iters=0, log_samples=False)
     finally:
         lm_eval_log.setLevel(level)
-    if lm.dp_ranks is not None:  # lm-eval gathers the results on rank 0 only
+    if getattr(lm, "dp_ranks", None) is not None:  # lm-eval gathers the results on rank 0 only
         box = [out]
         dist.broadcast_object_list(box, src=0)
         out = box[0]

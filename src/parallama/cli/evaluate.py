@@ -1,5 +1,8 @@
 """`parallama-eval ckpt_path=<checkpoint> [split=val|train] [max_batches=N] [json=true] [device=...] [data.*=...]`:
-loss and perplexity of a checkpoint of any strategy, in one process. A Hydra app (conf/eval.yaml).
+loss and perplexity of a checkpoint of any strategy, in one process, through `trainer.validate` with parallama's
+LightningModule (as lightning-hydra-template's eval.py; the `trainer` group configures it). With `tasks=[...]`
+(and `ckpt_path=` or `model_dir=<exported folder>`): lm-evaluation-harness scores (`evaluation.harness`).
+A Hydra app (conf/eval.yaml).
 
 The data is the run's own: plain values of `data.*` in the resolved_config.yaml next to `checkpoints/` (else
 conf/data), with the command line's data overrides on top (`data/source=files data.source.paths=...`
@@ -144,8 +147,9 @@ def device_args(device: str | None) -> dict:
 
 def downstream(cfg: DictConfig) -> dict:
     """lm-evaluation-harness scores of the checkpoint or exported folder: {task: {metric: value}}."""
-    from parallama.evaluation.harness import ParallamaLM, evaluate
+    from parallama.evaluation.harness import ParallamaLM, evaluate, task_manager
 
+    task_manager(list(cfg.tasks), cfg.paths.cache_dir, cfg.task_dirs)  # a bad name: before loading the model
     lm = ParallamaLM(
         ckpt_path=cfg.ckpt_path, model_dir=cfg.model_dir, batch_size=cfg.batch_size, device=cfg.device
     )

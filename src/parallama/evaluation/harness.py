@@ -13,8 +13,12 @@ a dummy one), since a sharded model (FSDP, ZeRO-3) gathers its parameters collec
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import logging
+import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -274,19 +278,36 @@ def evaluate(
     from lm_eval import evaluator
     from lm_eval.tasks import get_task_dict
 
-    lm_eval_log = logging.getLogger("lm_eval")
-    level = lm_eval_log.level
-    lm_eval_log.setLevel(logging.WARNING)  # not its INFO lines at every evaluation
-    try:
+    with without_progress_bars():
         task_dict = get_task_dict(list(tasks), task_manager(tasks, cache_dir, task_dirs))
         out = evaluator.evaluate(lm, task_dict, limit=limit, bootstrap_iters=0, log_samples=False)
-    finally:
-        lm_eval_log.setLevel(level)
     if getattr(lm, "dp_ranks", None) is not None:  # lm-eval gathers the results on rank 0 only
         box = [out]
         dist.broadcast_object_list(box, src=0)
         out = box[0]
     return scores(out)
+
+
+@contextlib.contextmanager
+def without_progress_bars():
+    """lm-eval's INFO lines and progress bars (its own, datasets') at every evaluation would fill a training log;
+    anything else written to stderr meanwhile still gets there."""
+    lm_eval_log, level = logging.getLogger("lm_eval"), logging.getLogger("lm_eval").level
+    lm_eval_log.setLevel(logging.WARNING)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        lm_eval_log.setLevel(level)
+        kept = [
+            line for line in captured.getvalue().splitlines() if line.strip() and not PROGRESS.search(line)
+        ]
+        if kept:
+            print("\n".join(kept), file=sys.stderr)
+
+
+PROGRESS = re.compile(r"\d+%\||it/s\]|s/it\]|examples/s\]")
 
 
 def scores(results: dict) -> dict[str, dict[str, float]]:

@@ -1,4 +1,5 @@
-"""A parallama model as an lm-evaluation-harness model (`--model parallama` once this module is imported).
+"""A parallama model as an lm-evaluation-harness model, registered as `parallama` (once this module is imported,
+`lm_eval.simple_evaluate(model="parallama", model_args="ckpt_path=...")` builds it).
 
 It reuses lm-eval's own request encoding (`TemplateLM`: context/continuation split, the prefix token of an empty
 context, rolling windows), so its scores are those of lm-eval's `hf` model on the exported folder, and adds
@@ -47,7 +48,7 @@ class ParallamaLM(TemplateLM):
         *,
         ckpt_path: str | None = None,
         model_dir: str | None = None,
-        batch_size: int | str = 16,
+        batch_size: int = 16,
         max_gen_toks: int = 256,
         add_bos_token: bool = True,
         device: str | None = None,
@@ -56,12 +57,9 @@ class ParallamaLM(TemplateLM):
     ) -> None:
         super().__init__()
         if model is None:
-            from omegaconf import OmegaConf
+            from parallama.checkpoint.read import load_model
 
-            from parallama.cli.generate import load_model
-
-            cfg = OmegaConf.create({"ckpt_path": ckpt_path, "model_dir": model_dir})
-            model, tokenizer = load_model(cfg)
+            model, tokenizer = load_model(ckpt_path, model_dir)
             model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))).eval()
         self.model, self.tokenizer = model, tokenizer
         self.ids = special_ids(tokenizer)

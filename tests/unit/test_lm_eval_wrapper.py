@@ -123,3 +123,10 @@ def test_an_unknown_task_is_one_line(tmp_path):
         ConfigError, match=r"tasks: parallama_clozz is not an lm-eval task \(did you mean parallama_cloze\?\)"
     ):
         task_manager(["parallama_clozz"], str(tmp_path))
+
+
+def test_lm_evals_own_models_stay_registered():
+    """lm-eval lists its models only while its registry is empty: registering ours must not hide them."""
+    from lm_eval.api.registry import get_model
+
+    assert get_model("hf") is HFLM and get_model("parallama") is ParallamaLM

@@ -23,6 +23,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable
 
+import lm_eval.models  # noqa: F401  lm-eval lists its own models (hf, vllm, ...) only while its registry is empty
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

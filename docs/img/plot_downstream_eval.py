@@ -20,7 +20,7 @@ def main(csv_path: str, png_path: str) -> None:
         rows = df.dropna(subset=[key]).drop_duplicates("step", keep="last")
         acc_ax.plot(rows["step"], rows[key], marker="o", label=key.removeprefix("eval/"))
     acc_ax.axhline(0.25, color="grey", linestyle=":", label="chance (choice)")
-    acc_ax.set(xlabel="optimizer step", ylabel="accuracy", title="downstream accuracy (200 examples per task)")
+    acc_ax.set(xlabel="optimizer step", ylabel="accuracy", title="downstream accuracy, in the training loop")
     acc_ax.legend(fontsize=8)
     ppl = df.dropna(subset=["eval/parallama_cloze/perplexity"]).drop_duplicates("step", keep="last")
     loss_ax.plot(ppl["step"], ppl["eval/parallama_cloze/perplexity"], marker="o", color="C3", label="cloze word ppl")

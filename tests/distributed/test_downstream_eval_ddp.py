@@ -9,6 +9,7 @@ from conftest import run_cli, train
 
 from parallama.evaluation.tasks import EMBEDDED
 
+pytestmark = pytest.mark.multiprocess
 LIMIT = 21
 
 
@@ -26,7 +27,6 @@ def logged(run) -> dict[int, dict[str, float]]:
     return {int(r["step"]): {k: float(v) for k, v in r.items() if k.startswith("eval/") and v} for r in rows}
 
 
-@pytest.mark.multiprocess
 def test_both_ranks_finish_and_the_scores_are_logged(ddp_run):
     run, out = ddp_run
     assert "rank 0/2" in out and "rank 1/2" in out and "Traceback" not in out
@@ -39,7 +39,6 @@ def test_both_ranks_finish_and_the_scores_are_logged(ddp_run):
     assert scores[0] != scores[4]  # the scores follow training
 
 
-@pytest.mark.multiprocess
 def test_in_loop_scores_equal_lm_evals_hf_model_on_the_export(ddp_run, tmp_path, data_cache):
     from lm_eval.evaluator import simple_evaluate
 

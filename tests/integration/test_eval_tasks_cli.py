@@ -1,8 +1,10 @@
-"""`parallama-eval tasks=[...]` on the shared tiny run's checkpoint and on its export: the same scores."""
+"""`parallama-eval tasks=[...]` on the shared tiny run's checkpoint and on its export: the same scores; and the
+in-loop callback leaves training as it was."""
 
+import csv
 import json
 
-from conftest import run_cli
+from conftest import SHARED_RUN, run_cli, train
 
 TASKS = ["tasks=[parallama_cloze,parallama_choice]", "limit=12", "json=true"]
 
@@ -39,3 +41,17 @@ def test_a_bad_task_is_one_line_before_loading_anything(tmp_path, data_cache):
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: tasks: parallama_clozz is not an lm-eval task (did you mean parallama_cloze?)"
     )
+
+
+def losses(run) -> list[tuple[str, str, str]]:
+    with open(run / "csv" / "metrics.csv") as f:
+        rows = [(r["step"], r.get("train/loss", ""), r.get("val/loss", "")) for r in csv.DictReader(f)]
+    return [row for row in rows if row[1] or row[2]]  # the callback's own rows carry neither
+
+
+def test_the_callback_changes_nothing_in_training(tiny_run, tmp_path, data_cache):
+    """Eval mode on and off again, no global RNG touched: the same losses, bit for bit, as the shared run."""
+    every = ["callbacks.downstream_eval.every_n_steps=2", "callbacks.downstream_eval.limit=8"]
+    proc = train(*SHARED_RUN, *every, cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run")
+    assert "step 4: eval/parallama_choice/acc=" in proc.stdout + proc.stderr
+    assert losses(tmp_path / "run") == losses(tiny_run.dir)

@@ -119,7 +119,10 @@ def test_cli_errors(ckpt, main, argv, needle, capsys):
     ("main", "needles"),
     [
         (export_main, ["parallama-export ckpt_path=<checkpoint> out_dir=<folder>", "out_dir: ???"]),
-        (eval_main, ["parallama-eval ckpt_path=<checkpoint>", "ckpt_path: ???", "max_batches: null"]),
+        (
+            eval_main,
+            ["parallama-eval ckpt_path=<checkpoint>", "ckpt_path: null", "tasks: []", "max_batches: null"],
+        ),
         (generate_main, ["parallama-generate (ckpt_path=<checkpoint>", "temperature: 0.8", "prompt: 'The '"]),
         (plan_main, ["parallama-plan [--config-dir DIR] [gpu_memory_gb=80]", "<parallama-train overrides>"]),
         (convert_main, ["parallama-ckpt convert src=<checkpoint> out=<path>", "format: file"]),

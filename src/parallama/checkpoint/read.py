@@ -122,6 +122,27 @@ def load_state_into(model: nn.Module, state_dict: dict[str, Tensor], source: str
     model.load_state_dict(state_dict)
 
 
+def load_model(ckpt_path: str | None = None, model_dir: str | None = None):
+    """(model, tokenizer) from a training checkpoint (any strategy) or a Hugging Face folder (e.g. an export), for
+    the tools that run a model (generate, evaluate)."""
+    from tokenizers import Tokenizer
+
+    from parallama.data.tokenizer import from_pretrained
+    from parallama.models import spec_for_hf_folder
+
+    if model_dir is not None:
+        spec = spec_for_hf_folder(model_dir)
+        model = spec.model(spec.hf.load_hf_config(model_dir))
+        spec.hf.load_hf_weights(model, model_dir)
+        return model, from_pretrained(model_dir)
+    ckpt = load_checkpoint(ckpt_path)
+    if ckpt.tokenizer_json is None:
+        raise ConfigError(f"checkpoint {ckpt_path} has no tokenizer (written before tokenizers were stored)")
+    model = ckpt.spec.model(ckpt.config)
+    load_state_into(model, ckpt.state_dict, source=f"checkpoint {ckpt_path}")
+    return model, Tokenizer.from_str(ckpt.tokenizer_json)
+
+
 def run_config_path(ckpt_path: str | os.PathLike) -> Path:
     """<run>/checkpoints/<ckpt> -> <run>/resolved_config.yaml."""
     return Path(ckpt_path).resolve().parent.parent / "resolved_config.yaml"

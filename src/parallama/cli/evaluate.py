@@ -1,5 +1,8 @@
 """`parallama-eval ckpt_path=<checkpoint> [split=val|train] [max_batches=N] [json=true] [device=...] [data.*=...]`:
-loss and perplexity of a checkpoint of any strategy, in one process. A Hydra app (conf/eval.yaml).
+loss and perplexity of a checkpoint of any strategy, in one process, through `trainer.validate` with parallama's
+LightningModule (as lightning-hydra-template's eval.py; the `trainer` group configures it). With `tasks=[...]`
+(and `ckpt_path=` or `model_dir=<exported folder>`): lm-evaluation-harness scores (`evaluation.harness`).
+A Hydra app (conf/eval.yaml).
 
 The data is the run's own: plain values of `data.*` in the resolved_config.yaml next to `checkpoints/` (else
 conf/data), with the command line's data overrides on top (`data/source=files data.source.paths=...`
@@ -81,10 +84,21 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     """`overrides`: the command line's, so that the `data.*` ones apply on top of the run's own data."""
+    result = downstream(cfg) if cfg.tasks else loss_and_perplexity(cfg, overrides)
+    if cfg.out is not None:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
+    """trainer.validate of parallama's LightningModule, holding the checkpoint's weights, on the data split."""
+    import lightning as L
     import torch
-    import torch.nn.functional as F
 
     from parallama.checkpoint.read import load_checkpoint, load_state_into
+    from parallama.training.callbacks import ValidationTokens
+    from parallama.training.module import CausalLM
 
     data = data_config(cfg, overrides)
     ckpt = load_checkpoint(cfg.ckpt_path)
@@ -101,31 +115,53 @@ def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     datamodule.setup()
     loader = datamodule.val_dataloader() if cfg.split == "val" else datamodule.train_dataloader()
 
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = ckpt.spec.model(ckpt.config)
-    load_state_into(model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
-    model.to(device).eval()
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for i, batch in enumerate(loader):
-            if cfg.max_batches is not None and i >= cfg.max_batches:
-                break
-            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "index")}
-            logits = model(**inputs)  # input_ids, and attention_mask or position_ids + document_ids
-            labels = batch["labels"].to(device)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
-            count += int((labels != -100).sum())
-    if count == 0:
+    hparams = ckpt.meta["hyper_parameters"]
+    module = CausalLM(hparams["model"], hparams.get("optimizer", {}), hparams.get("scheduler", {}))
+    module.model = ckpt.spec.model(ckpt.config)  # built here: configure_model keeps it
+    load_state_into(module.model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
+    tokens = ValidationTokens()
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=[tokens], limit_val_batches=cfg.max_batches or 1.0, **device_args(cfg.device)
+    )
+    trainer.validate(module, dataloaders=loader, verbose=False)
+    if tokens.count == 0:
         raise ConfigError(
             f"split={cfg.split} has no tokens to evaluate (raise data.val_fraction or max_batches)"
         )
-    loss = total / count
-    result = {"loss": loss, "ppl": math.exp(loss), "tokens": count, "split": cfg.split}
+    loss = float(trainer.callback_metrics["val/loss"].to(torch.float64))
+    result = {"loss": loss, "ppl": math.exp(loss), "tokens": tokens.count, "split": cfg.split}
     if cfg.json:
         print(json.dumps(result))
     else:
-        print(f"loss={loss:.4f} ppl={math.exp(loss):.3f} tokens={count}")
+        print(f"loss={loss:.4f} ppl={math.exp(loss):.3f} tokens={tokens.count}")
     return result
+
+
+def device_args(device: str | None) -> dict:
+    """`device=cuda:1` as Trainer arguments (null: the trainer config's)."""
+    if device is None:
+        return {}
+    kind, _, index = device.partition(":")
+    return {"accelerator": "cpu" if kind == "cpu" else "gpu", "devices": [int(index)] if index else 1}
+
+
+def downstream(cfg: DictConfig) -> dict:
+    """lm-evaluation-harness scores of the checkpoint or exported folder: {task: {metric: value}}."""
+    from parallama.evaluation.harness import ParallamaLM, evaluate, task_manager
+
+    task_manager(list(cfg.tasks), cfg.paths.cache_dir, cfg.task_dirs)  # a bad name: before loading the model
+    lm = ParallamaLM(
+        ckpt_path=cfg.ckpt_path, model_dir=cfg.model_dir, batch_size=cfg.batch_size, device=cfg.device
+    )
+    table = evaluate(
+        lm, list(cfg.tasks), cache_dir=cfg.paths.cache_dir, task_dirs=cfg.task_dirs, limit=cfg.limit
+    )
+    if cfg.json:
+        print(json.dumps(table))
+    else:
+        for task, metrics in table.items():
+            print(task, " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    return table
 
 
 def source_alias(argv: list[str]) -> list[str]:
@@ -142,10 +178,24 @@ def source_alias(argv: list[str]) -> list[str]:
     return args
 
 
+RULES = {
+    "split": Rule(str, choices=("val", "train")),
+    "max_batches": Rule(int, 1, allow=(None,)),
+    "limit": Rule(float, 0, open="low", allow=(None,)),
+    "batch_size": Rule(int, 1),
+}
+
+
 def check(cfg: DictConfig, hardware: bool = True) -> None:
-    check_values(
-        cfg, {"split": Rule(str, choices=("val", "train")), "max_batches": Rule(int, 1, allow=(None,))}
-    )
+    check_values(cfg, RULES)
+    if cfg.ckpt_path is None and cfg.model_dir is None:
+        raise ConfigError(
+            "ckpt_path is required but not set: add ckpt_path=... (or model_dir=<exported folder> with tasks=[...])"
+        )
+    if cfg.ckpt_path is not None and cfg.model_dir is not None:
+        raise ConfigError("give one of ckpt_path=<checkpoint> or model_dir=<Hugging Face folder>, not both")
+    if cfg.model_dir is not None and not cfg.tasks:
+        raise ConfigError("model_dir= is for tasks=[...]; the loss of an exported folder needs its ckpt_path")
 
 
 def _task(cfg: DictConfig) -> dict:

@@ -26,39 +26,17 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
         raise ConfigError("give exactly one of ckpt_path=<checkpoint> or model_dir=<Hugging Face folder>")
 
 
-def load_model(cfg: DictConfig):
-    """(model, tokenizer) from a training checkpoint (any strategy) or a Hugging Face folder (e.g. an export)."""
-    from tokenizers import Tokenizer
-
-    from parallama.checkpoint.read import load_checkpoint, load_state_into
-    from parallama.data.tokenizer import from_pretrained
-    from parallama.models import spec_for_hf_folder
-
-    if cfg.model_dir is not None:
-        spec = spec_for_hf_folder(cfg.model_dir)
-        model = spec.model(spec.hf.load_hf_config(cfg.model_dir))
-        spec.hf.load_hf_weights(model, cfg.model_dir)
-        return model, from_pretrained(cfg.model_dir)
-    ckpt = load_checkpoint(cfg.ckpt_path)
-    if ckpt.tokenizer_json is None:
-        raise ConfigError(
-            f"checkpoint {cfg.ckpt_path} has no tokenizer (written before tokenizers were stored)"
-        )
-    model = ckpt.spec.model(ckpt.config)
-    load_state_into(model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
-    return model, Tokenizer.from_str(ckpt.tokenizer_json)
-
-
 def generate_text(cfg: DictConfig | list[str]) -> str:
     """The continuation, also printed; `cfg` may be the tool's command line (a list of overrides)."""
     import torch
 
+    from parallama.checkpoint.read import load_model
     from parallama.data.tokenizer import special_ids
     from parallama.models.generation import generate
 
     if isinstance(cfg, list):
         cfg = app.compose("generate", cfg, check, list_keys=True)
-    model, tokenizer = load_model(cfg)
+    model, tokenizer = load_model(cfg.ckpt_path, cfg.model_dir)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device).eval()
     ids = special_ids(tokenizer)

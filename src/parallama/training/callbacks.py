@@ -170,3 +170,15 @@ class LastCheckpoint(Checkpoint):
     def _save(self, trainer) -> None:
         trainer.save_checkpoint(self.path)
         self.saved_step, self._last_saved_at = trainer.global_step, time.monotonic()
+
+
+class ValidationTokens(Callback):
+    """Counts the labelled tokens a validation saw (parallama-eval prints them beside their mean loss)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
+        self.count += int((batch["labels"] != -100).sum())

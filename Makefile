@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 train: $(STAMP)  ## train the default tiny model on the embedded corpus (extra overrides: make train ARGS="...")
 	$(BIN)/parallama-train $(ARGS)
 
+# Test files run in 2 pytest-xdist workers (a file stays on one worker, so its module fixtures run once): CI has 2
+# cores, and most tests wait on a training subprocess that uses one. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)  ## the whole CPU test suite: tests/unit, tests/integration, tests/distributed (what CI runs)
-	$(BIN)/python -m pytest --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 test-fast: $(STAMP)  ## unit tests only (no training run; under 2 minutes)
 	$(BIN)/python -m pytest tests/unit --durations=10 $(ARGS)

@@ -125,7 +125,7 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
     timer = Timer()
     with tempfile.TemporaryDirectory() as tmp:
         if defaults:
-            conf = OmegaConf.create({"paths": {"output_dir": tmp}})
+            conf = OmegaConf.create({"paths": {"output_dir": tmp, "cache_dir": args.cache_dir}})
             conf.callbacks = OmegaConf.load(ROOT / "conf" / "callbacks" / "default.yaml")
             callbacks = [hydra.utils.instantiate(c) for c in conf.callbacks.values()]
         else:

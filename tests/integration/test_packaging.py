@@ -36,7 +36,7 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     assert Path(out.stdout.strip()) == target / "parallama" / "conf", out.stderr
     for module, needle in [
         ("parallama.cli.train", "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp"),
-        ("parallama.cli.evaluate", "ckpt_path: ???"),
+        ("parallama.cli.evaluate", "ckpt_path: null"),
         ("parallama.cli.prepare", "num_proc: null"),
     ]:
         proc = subprocess.run(

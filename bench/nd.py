@@ -188,7 +188,8 @@ def run(args) -> dict:
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         print(f"nd: {args.world} ranks need {args.world} GPUs, this machine has {torch.cuda.device_count()}")
         return {}
-    layouts = {n: LAYOUTS[n] for n in args.layouts if fits(LAYOUTS[n], args.world)}
+    names = ["fsdp", *(n for n in args.layouts if n != "fsdp")]  # the ratios' base always runs
+    layouts = {n: LAYOUTS[n] for n in names if fits(LAYOUTS[n], args.world)}
     for name, layout in layouts.items():
         dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
         rows, microbatches = args.global_batch // dims.dp_size, args.pp_microbatches or dims.pp
@@ -240,7 +241,13 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="a conf/model preset (heads must divide by 2 for tp)")
     p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp, hsdp and pp x tp)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(LAYOUTS),
+        choices=list(LAYOUTS),
+        help="fsdp (the base) always runs",
+    )
     p.add_argument(
         "--global-batch", type=int, default=8, help="samples per optimizer step, all ranks together"
     )

@@ -241,7 +241,7 @@ def run(args) -> dict:
         print(f"\nN-D layouts on {world} GPUs (python -m bench nd --device cuda --world {world})")
         nd_args = SimpleNamespace(
             model="llama3_2_1b", world=world, device="cuda", layouts=list(nd.LAYOUTS), global_batch=4 * world,
-            seq_len=2048, warmup=3, steps=10, repeats=3, out=None,
+            seq_len=2048, warmup=3, steps=10, repeats=3, pp_schedule="1f1b", pp_microbatches=None, out=None,
         )  # fmt: skip
         results["nd"] = nd.run(nd_args)
     else:

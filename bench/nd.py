@@ -3,13 +3,17 @@
 Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
 (gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through the Llama's own plan
 (`models/llama/parallelize.parallelize` with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
-a data-parallel rank trains global batch / dp samples, the tp ranks of a batch share it. Layouts alternate for
+a data-parallel rank trains global batch / dp samples, the tp and pp ranks of a batch share it. Pipeline layouts
+split the model into pp stages in the plan and train through `parallel.pipeline.Pipeline` (the schedule's
+forward and backward over microbatches, the loss on the last stage), as the strategy does. Layouts alternate for
 `--repeats` rounds; ratios are medians of the per-round ratios.
 
-Bytes: one profiled step after the timed ones, what rank 0 hands to the communication backend (the input of
-every `gloo:*` / `nccl:*` call, DTensor's and FSDP2's alike): an all-reduce its whole tensor, an all-gather its
-own shard. Gloo has no reduce-scatter: FSDP2 all-reduces the full gradients there (NCCL reduce-scatters them), so
-on CPU FSDP's figure is its all-gathers plus full-size gradient all-reduces. It is not what the wire carries (a
+Bytes: one profiled step after the timed ones, what a rank hands to the communication backend (the input of
+every `gloo:*` / `nccl:*` call, DTensor's, FSDP2's and the pipeline's alike), averaged over the ranks (pipeline
+stages differ: the first holds the embedding, the last the head): an all-reduce its whole tensor, an all-gather
+its own shard, a send its tensor (a stage's activations forward, their gradients backward); a recv is counted at
+its sender. Gloo has no reduce-scatter: FSDP2 all-reduces the full gradients there (NCCL reduce-scatters them),
+so on CPU FSDP's figure is its all-gathers plus full-size gradient all-reduces. It is not what the wire carries (a
 ring all-reduce sends 2(n-1)/n of its tensor per rank), but it compares layouts on one backend.
 """
 
@@ -24,6 +28,8 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.common import machine, median, preset, print_machine, quiet, save
+from parallama.parallel.dims import ParallelDims
+from parallama.parallel.options import SINGLE_STAGE
 
 LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world sizes that fit them
     "fsdp": dict(dp_shard=-1),
@@ -32,7 +38,10 @@ LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world s
     "tp+sp": dict(dp_shard=-1, tp=2, sequence_parallel=True),
     "fsdp x tp": dict(dp_shard=2, tp=2),
     "hsdp": dict(dp_replicate=2, dp_shard=2),
+    "pp": dict(dp_shard=-1, pp=2),  # at 4 ranks: pp=2 x dp_shard=2 (FSDP inside each stage)
+    "pp x tp": dict(dp_shard=1, pp=2, tp=2),
 }
+OPTIONS = ("sequence_parallel",)  # layout keys that are not mesh sizes
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
 
 
@@ -42,13 +51,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def mesh_sizes(layout: dict) -> dict:
+    return {k: v for k, v in layout.items() if k not in OPTIONS}
+
+
 def collective_bytes(prof) -> dict[str, int]:
     """Per collective kind, the bytes a rank hands to the communication backend in a profile (see the module
-    docstring): the input of every `gloo:*` / `nccl:*` call."""
+    docstring): the input of every `gloo:*` / `nccl:*` call but a recv's (its sender's send counts them)."""
     total: dict[str, int] = {}
     for event in prof.events():
         backend, _, kind = event.name.partition(":")
-        if backend not in ("gloo", "nccl") or not event.input_shapes:
+        if backend not in ("gloo", "nccl") or kind == "recv" or not event.input_shapes:
             continue
         size = sum(
             BYTES.get(dtype, 4) * torch.Size(shape).numel()
@@ -69,8 +82,8 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
     from parallama.models.llama.parallelize import parallelize
-    from parallama.parallel.dims import ParallelDims
-    from parallama.parallel.options import FSDPOptions, ParallelizeOptions
+    from parallama.parallel.options import FSDPOptions, ParallelizeOptions, PipelineOptions
+    from parallama.parallel.pipeline import Pipeline
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
 
     cuda = args.device == "cuda"
@@ -81,10 +94,11 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         torch.set_num_threads(1)
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    sizes = {k: v for k, v in layout.items() if k != "sequence_parallel"}
-    dims = ParallelDims.resolve(world, **sizes)
+    dims = ParallelDims.resolve(world, **mesh_sizes(layout))
     mesh = dims.build_mesh(device.type)
     tp = dims.tp > 1
+    # As strategy=model_parallel: one stage per pp rank, by default one microbatch per stage.
+    pp_options = PipelineOptions(args.pp_schedule, args.pp_microbatches or dims.pp) if dims.pp > 1 else None
     torch.manual_seed(0)
     with device:
         model = Llama(LlamaConfig(**preset(args.model, 256)))
@@ -94,20 +108,28 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         fsdp=FSDPOptions(mixed_precision="bf16" if cuda else None),
         sequence_parallel=layout.get("sequence_parallel", False),
         loss_parallel=tp,
+        pipeline=pp_options,
     )
-    parallelize(model, options)
+    model = parallelize(model, options)  # with pp: this rank's stage, and the model pruned to it
+    pp_group = mesh["pp"].get_group() if pp_options else None
+    pipeline = Pipeline(model.pipeline_stages, dims.pp, pp_options, pp_group, device) if pp_options else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     per_rank = args.global_batch // dims.dp_size
-    generator = torch.Generator().manual_seed(dims.dp_rank(rank))
+    generator = torch.Generator().manual_seed(dims.dp_rank(rank))  # the pp and tp ranks of a batch: one seed
     vocab = model.config.vocab_size
 
     def step() -> None:
         ids = torch.randint(0, vocab, (per_rank, args.seq_len + 1), generator=generator).to(device)
         with loss_parallel() if tp else torch.enable_grad():
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-            loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
+            if pipeline:  # the schedule runs forward and backward; its loss comes back on every stage
+                batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+                loss = pipeline.loss(batch, train=True, parameters=model.parameters())
+                pipeline.add_grads()
+            else:
+                logits = model(ids[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+                loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0, group=pp_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -123,12 +145,12 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         times.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    if rank == 0:
-        queue.put({"step_s": statistics.median(times), "bytes": collective_bytes(prof), "dims": dims.sizes()})
+    queue.put({"rank": rank, "step_s": statistics.median(times), "bytes": collective_bytes(prof)})
     dist.destroy_process_group()
 
 
 def measure(layout: dict, args) -> dict:
+    """Rank 0's median step time, the bytes per step averaged over the ranks."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.SimpleQueue(), _free_port()
     procs = [
@@ -140,15 +162,18 @@ def measure(layout: dict, args) -> dict:
         p.join()
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    return queue.get()
+    ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
+    kinds = {kind for r in ranks for kind in r["bytes"]}
+    volume = {kind: sum(r["bytes"].get(kind, 0) for r in ranks) / len(ranks) for kind in sorted(kinds)}
+    dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
+    return {"step_s": ranks[0]["step_s"], "bytes": volume, "dims": dims.sizes()}
 
 
 def fits(layout: dict, world: int) -> bool:
     from parallama.errors import ConfigError
-    from parallama.parallel.dims import ParallelDims
 
     try:
-        ParallelDims.resolve(world, **{k: v for k, v in layout.items() if k != "sequence_parallel"})
+        ParallelDims.resolve(world, **mesh_sizes(layout))
     except ConfigError:
         return False
     return True
@@ -163,11 +188,20 @@ def run(args) -> dict:
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         print(f"nd: {args.world} ranks need {args.world} GPUs, this machine has {torch.cuda.device_count()}")
         return {}
-    layouts = {n: LAYOUTS[n] for n in args.layouts if fits(LAYOUTS[n], args.world)}
+    names = ["fsdp", *(n for n in args.layouts if n != "fsdp")]  # the ratios' base always runs
+    layouts = {n: LAYOUTS[n] for n in names if fits(LAYOUTS[n], args.world)}
+    for name, layout in layouts.items():
+        dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
+        rows, microbatches = args.global_batch // dims.dp_size, args.pp_microbatches or dims.pp
+        if dims.pp > 1 and rows % microbatches:
+            raise SystemExit(
+                f"nd: {name}'s {rows} rows per rank do not split into {microbatches} microbatches"
+            )
     print(
         f"# nd: model={args.model} seq_len={args.seq_len} global batch={args.global_batch}, {args.world} ranks "
         f"on {args.device}, {args.warmup} warmup + {args.steps} timed steps, {args.repeats} rounds; "
         f"layouts: {', '.join(layouts)}"
+        + (f"; pp schedule {args.pp_schedule}" if any("pp" in layout for layout in layouts.values()) else "")
     )
     rounds: dict[str, list[dict]] = {name: [] for name in layouts}
     for r in range(args.repeats):
@@ -205,9 +239,15 @@ def run(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="a conf/model preset (heads must divide by 2 for tp)")
-    p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp and hsdp)")
+    p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp, hsdp and pp x tp)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(LAYOUTS),
+        choices=list(LAYOUTS),
+        help="fsdp (the base) always runs",
+    )
     p.add_argument(
         "--global-batch", type=int, default=8, help="samples per optimizer step, all ranks together"
     )
@@ -215,3 +255,7 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (median step time)")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds")
+    p.add_argument("--pp-schedule", default="1f1b", choices=SINGLE_STAGE, help="the pp layouts' schedule")
+    p.add_argument(
+        "--pp-microbatches", type=int, default=None, help="per step and pp rank (default: one per stage)"
+    )

@@ -75,13 +75,18 @@ def test_gpu_without_cuda_exits_cleanly(capsys):
 
 @pytest.mark.multiprocess
 def test_nd(capsys, tmp_path, cache):
-    """Two layouts that take different paths (FSDP's all-gathers, TP's DTensor all-reduces) on 2 gloo ranks."""
+    """Three layouts that take different paths on 2 gloo ranks: FSDP's all-gathers, TP's DTensor all-reduces, the
+    pipeline's sends between its two stages."""
     tiny = ["--warmup", "1", "--steps", "1", "--repeats", "1", "--global-batch", "4", "--seq-len", "32"]
-    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp")
+    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp", "pp")
     layouts = result["layouts"]
-    assert set(layouts) == {"fsdp", "tp"} and layouts["tp"]["dims"]["tp"] == 2
+    assert set(layouts) == {"fsdp", "tp", "pp"} and layouts["tp"]["dims"]["tp"] == 2
     assert layouts["fsdp"]["step_ratio_to_fsdp"] == 1.0 and layouts["tp"]["step_ratio_to_fsdp"] > 0
     assert layouts["fsdp"]["collective_mb_per_step"]["all_gather"] > 0  # the sharded weights gathered
     assert layouts["tp"]["collective_mb_per_step"]["all_reduce"] > 0  # the row-wise layers' partial sums
     assert "all_gather" not in layouts["tp"]["collective_mb_per_step"]  # tp=2 x dp 1: nothing to gather
-    assert "layout" in text and "/ fsdp" in text
+    pp = layouts["pp"]["collective_mb_per_step"]
+    assert layouts["pp"]["dims"]["pp"] == 2 and "recv" not in pp and "all_gather" not in pp
+    # 2 microbatches of (2, 32, 128) fp32 activations forward (rank 0), their gradients backward (rank 1)
+    assert pp["send"] == pytest.approx(2 * 2 * (2 * 32 * 128 * 4) / 2 / 1e6)
+    assert "layout" in text and "/ fsdp" in text and "pp schedule 1f1b" in text

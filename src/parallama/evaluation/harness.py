@@ -8,8 +8,9 @@ it, and running on a model that a strategy has sharded.
 
 Batches are right-padded (the attention is causal, so padding after a sequence changes none of its logits) and
 sorted by length. Under a process group the ranks split the requests (lm-eval hands each its share, `rank` and
-`world_size` are the data-parallel ones) and every rank runs the same number of forward passes (short ranks run
-a dummy one), since a sharded model (FSDP, ZeRO-3) gathers its parameters collectively in each forward.
+`world_size` are the data-parallel ones) and every rank runs the same number of forward passes (a rank with fewer
+batches, or a generation that ends sooner, runs one-token dummy passes for the ones it lacks), since a sharded
+model (FSDP, ZeRO-3) gathers its parameters collectively in each forward.
 """
 
 from __future__ import annotations
@@ -173,28 +174,42 @@ class ParallamaLM(TemplateLM):
         out: list[str | None] = [None] * len(requests)
         sharded = self.dp_ranks is not None
         for step in self._lockstep(batches):
-            (length, max_new, temperature), items = step or ((1, 0, 0.0), [])
-            if sharded:  # every rank decodes as many tokens as the longest, so that their forwards pair up
-                max_new = self._agree(max_new)
-            prompts = [ids for _, ids, _ in items] or [[self.ids.bot]]
-            prompts = [p[-(self.max_length - max_new) :] for p in prompts]
-            with self._context():
-                tokens = generate(
-                    self.model,
-                    torch.tensor(prompts, device=self.device),
-                    max_new_tokens=max_new,
-                    temperature=temperature,
-                    eos_id=None if sharded else self.ids.eot,  # stopping early would desynchronize the ranks
-                    generator=torch.Generator(device=self.device).manual_seed(1234),
-                )
-            for (i, _, until), row in zip(items, tokens[:, len(prompts[0]) :].tolist()):
-                if self.ids.eot in row:
-                    row = row[: row.index(self.ids.eot)]
-                text = self.tok_decode(row)
-                for stop in until:
-                    text = text.split(stop)[0]
-                out[i] = text
+            (length, max_new, temperature), items = step or ((0, 0, 0.0), [])
+            forwards = (
+                max(max_new, 1) if items else 0
+            )  # the prompt's pass makes the first token, one each after
+            missing = (
+                self._agree(forwards) - forwards
+            )  # agreed first: each pass pairs with one of every other rank
+            if items:
+                with self._context():
+                    tokens = generate(
+                        self.model,
+                        torch.tensor([ids for _, ids, _ in items], device=self.device),
+                        max_new_tokens=max_new,
+                        temperature=temperature,
+                        eos_id=None
+                        if sharded
+                        else self.ids.eot,  # a stop no other rank knows of would hang them
+                        generator=torch.Generator(device=self.device).manual_seed(1234),
+                    )
+                self._decode(items, tokens[:, length:].tolist(), out)
+            for _ in range(
+                missing
+            ):  # the passes of ranks that generate longer; inference mode, as `generate`'s
+                with torch.inference_mode():
+                    self._forward(torch.tensor([[self.ids.bot]], device=self.device))
         return out
+
+    def _decode(self, items: list, rows: list[list[int]], out: list) -> None:
+        """Each generated row as text, cut at the end-of-text token and the first of its `until` strings."""
+        for (i, _, until), row in zip(items, rows):
+            if self.ids.eot in row:
+                row = row[: row.index(self.ids.eot)]
+            text = self.tok_decode(row)
+            for stop in until:
+                text = text.split(stop)[0]
+            out[i] = text
 
     # --- ranks --------------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 
 The study lives in a database (`hydra.sweeper.storage`, SQLite by default), so running the same command again
 continues it: trials that an interrupted sweep left running are marked failed and run again first with the same
-parameters, and `n_trials` counts the study's finished trials, not this invocation's. Trials are asked in batches
+parameters, from their last.ckpt (a trial whose fit had already ended keeps its value instead), and `n_trials` counts the study's finished trials, not this invocation's. Trials are asked in batches
 of as many as the launcher runs at once (`hydra/launcher: devices`), each job told its trial number
 (`callbacks.optuna_pruning.trial`) so it reports its validation loss to the study and stops when the pruner says so
 (sweeps/pruning.py). At the end, `<sweep dir>/optimization_results.yaml` names the best trial's parameters, value,
@@ -119,8 +119,8 @@ class OptunaPruningSweeper(Sweeper):
         return returns
 
     def continue_study(self, study) -> None:
-        """Trials left running by an interrupted sweep failed: run their parameters again, first, from the
-        trial's last.ckpt when it wrote one. A new study starts with `enqueue_trials` (settings known to be good,
+        """Trials left running by an interrupted sweep: one whose fit had ended is told its value (or pruned);
+        the others failed, and run their parameters again, first, from the trial's last.ckpt when it wrote one. A new study starts with `enqueue_trials` (settings known to be good,
         or bad, to compare against)."""
         from optuna.trial import TrialState
 
@@ -129,6 +129,14 @@ class OptunaPruningSweeper(Sweeper):
             for params in self.enqueue_trials:
                 study.enqueue_trial(params)
         for trial in (t for t in trials if t.state == TrialState.RUNNING):
+            if trial.user_attrs.get("pruned_at_step") is not None:  # it was pruned; the sweep stopped after
+                study.tell(trial.number, state=TrialState.PRUNED)
+                log.info(f"trial {trial.number} {trial.params}: pruned at step {trial.user_attrs['pruned_at_step']}")
+                continue
+            if (value := trial.user_attrs.get("fit_value")) is not None:  # it trained to the end: nothing to rerun
+                study.tell(trial.number, value)
+                log.info(f"trial {trial.number} {trial.params}: {value} (finished before the sweep was stopped)")
+                continue
             study.tell(trial.number, state=TrialState.FAIL)
             attrs = {"retry_of": trial.number}
             last = Path(trial.user_attrs.get("output_dir", "-")) / "checkpoints" / "last.ckpt"

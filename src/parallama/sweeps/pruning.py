@@ -81,10 +81,14 @@ class OptunaPruning(Callback):
             trainer.should_stop = True
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        """Where the sweeper finds the trial's checkpoint (the best by val/loss, else the last)."""
+        """Where the sweeper finds the trial's checkpoint (the best by val/loss, else the last), and the value the
+        job will return: a sweep stopped between the end of fit and the job's exit still scores the trial."""
         if self.trial_number is None or not trainer.is_global_zero:
             return
         from parallama.training.callbacks import LastCheckpoint
+
+        if (value := trainer.callback_metrics.get(self.monitor)) is not None:
+            self.trial().set_user_attr("fit_value", float(value))
 
         paths = [getattr(c, "best_model_path", "") for c in trainer.checkpoint_callbacks]
         paths += [

@@ -129,13 +129,14 @@ class OptunaPruningSweeper(Sweeper):
             for params in self.enqueue_trials:
                 study.enqueue_trial(params)
         for trial in (t for t in trials if t.state == TrialState.RUNNING):
-            if trial.user_attrs.get("pruned_at_step") is not None:  # it was pruned; the sweep stopped after
+            pruned_at, value = trial.user_attrs.get("pruned_at_step"), trial.user_attrs.get("fit_value")
+            if pruned_at is not None:  # it was pruned; the sweep stopped before its job returned
                 study.tell(trial.number, state=TrialState.PRUNED)
-                log.info(f"trial {trial.number} {trial.params}: pruned at step {trial.user_attrs['pruned_at_step']}")
+                log.info(f"trial {trial.number} {trial.params}: pruned at step {pruned_at}")
                 continue
-            if (value := trial.user_attrs.get("fit_value")) is not None:  # it trained to the end: nothing to rerun
+            if value is not None:  # it trained to the end: nothing to run again
                 study.tell(trial.number, value)
-                log.info(f"trial {trial.number} {trial.params}: {value} (finished before the sweep was stopped)")
+                log.info(f"trial {trial.number} {trial.params}: {value} (fit ended before the stop)")
                 continue
             study.tell(trial.number, state=TrialState.FAIL)
             attrs = {"retry_of": trial.number}

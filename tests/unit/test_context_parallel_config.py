@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from parallama import CONF_DIR
-from parallama.config import checks
 from parallama.config.compose import preflight
 from parallama.errors import ConfigError
+from parallama.parallel import layout_checks
 from parallama.parallel.dims import ParallelDims
 
 CP = ["strategy=model_parallel", "trainer.accelerator=cpu", "trainer.devices=2", "strategy.cp=2"]
@@ -35,7 +35,7 @@ def test_sequence_parallel_splits_each_cp_ranks_tokens():
     with pytest.raises(
         ConfigError, match="splits each cp rank's 6 tokens over strategy.tp=4: make data.seq_len"
     ):
-        checks._check_context_parallel(seen[0], ParallelDims(cp=2, tp=4))
+        layout_checks._check_context_parallel(seen[0], ParallelDims(cp=2, tp=4))
 
 
 def test_a_good_cp_setting_passes():

@@ -1,6 +1,6 @@
 """Pipeline stages of the Llama (models/llama/parallelize.py): the split by layer with balanced parameter counts,
 stages that share the model's modules under their own names and chain to the whole model's logits, and the bad
-pipeline settings refused in one line before any work (config/checks.py)."""
+pipeline settings refused in one line before any work (parallel/layout_checks.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,127 @@
+"""What each dimension of a model_parallel layout needs of the model, the data and the schedule, checked with the
+rest of the config before any work (config/checks.py calls `check_layout`): tensor parallelism splits heads, the
+MLP and the vocabulary; context parallelism two chunks of each sequence per rank; a pipeline its layers into
+stages and its batch into microbatches. Each failure is one line naming the keys. No torch import.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from parallama.errors import ConfigError
+from parallama.parallel.dims import dims_of_config
+from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
+from parallama.parallel.options import SINGLE_STAGE
+
+
+def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
+    """The mesh's sizes against the world size (`ParallelDims.resolve`), then what each dimension in use needs."""
+    dims, strategy = dims_of_config(cfg), cfg.strategy
+    if dims.pp > 1 and dims.cp > 1:
+        raise ConfigError("strategy.pp > 1 with strategy.cp > 1 is not supported yet; use one of them")
+    if dims.pp > 1:
+        _check_pipeline(cfg, dims.pp)
+    if dims.cp > 1:
+        _check_context_parallel(cfg, dims)
+    if strategy.get("sequence_parallel") and dims.tp == 1:
+        raise ConfigError(
+            "strategy.sequence_parallel=true needs strategy.tp > 1 (it splits the tp ranks' work)"
+        )
+    if dims.tp > 1:
+        _check_tensor_parallel(cfg, dims.tp)
+    if dims.tp > 1 and cfg.compile and not on_gpu:
+        raise ConfigError(
+            "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
+            "the loss after one step differs from eager's by 2e-2); use compile=false on CPU"
+        )
+
+
+def _check_pipeline(cfg: DictConfig, pp: int) -> None:
+    """The schedule against the stages per rank, the model's layers against the stages, the microbatches against
+    the batch and the schedule (torch's own limits, said before any work)."""
+    strategy, model = cfg.strategy, cfg.model
+    schedule, per_rank = strategy.pp_schedule, strategy.pp_stages_per_rank
+    several = ", ".join(s for s in PIPELINE_SCHEDULES if s not in SINGLE_STAGE)
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ConfigError(
+            f"strategy.pp_schedule={schedule} runs one stage per rank, but strategy.pp_stages_per_rank={per_rank}; "
+            f"set it to 1 or use a schedule for several ({several})"
+        )
+    if schedule not in SINGLE_STAGE and per_rank < 2:
+        raise ConfigError(
+            f"strategy.pp_schedule={schedule} needs strategy.pp_stages_per_rank >= 2 (it is {per_rank}); "
+            "or use gpipe or 1f1b"
+        )
+    stages = pp * per_rank
+    if model.num_hidden_layers < stages:
+        raise ConfigError(
+            f"strategy.pp={pp} x strategy.pp_stages_per_rank={per_rank} = {stages} pipeline stages, but "
+            f"model.num_hidden_layers={model.num_hidden_layers}; each stage needs at least one layer"
+        )
+    if model.get("tie_word_embeddings"):
+        raise ConfigError(
+            "model.tie_word_embeddings=true shares the embedding (first stage) with lm_head (last stage); "
+            "set it false for strategy.pp > 1"
+        )
+    if not strategy.get("save_distributed_checkpoint", True):
+        raise ConfigError(
+            "strategy.save_distributed_checkpoint=false writes one file from rank 0, which holds only its own "
+            "pipeline stages; set it true for strategy.pp > 1"
+        )
+    microbatches, batch = strategy.pp_microbatches or stages, cfg.data.batch_size
+    name = f"strategy.pp_microbatches={microbatches}" + ("" if strategy.pp_microbatches else " (the default)")
+    if batch % microbatches:
+        raise ConfigError(
+            f"{name} must divide data.batch_size={batch} (each microbatch is a slice of the rank's batch)"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"{name}: strategy.pp_schedule=1f1b needs at least strategy.pp={pp} microbatches")
+    rounds = max(1, microbatches // pp)
+    if schedule not in SINGLE_STAGE and microbatches % rounds:
+        raise ConfigError(
+            f"{name}: strategy.pp_schedule={schedule} needs a multiple of {rounds} microbatches "
+            f"(microbatches // strategy.pp rounds); e.g. {pp * rounds}"
+        )
+
+
+def _check_context_parallel(cfg: DictConfig, dims) -> None:
+    """Each cp rank holds two of 2 x cp equal chunks of a sample (torch's load balancing), and attention is plain
+    causal ring attention (no document mask)."""
+    seq_len, cp = cfg.data.seq_len, dims.cp
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"strategy.cp={cp} needs data.seq_len divisible by 2 x cp = {2 * cp} (each cp rank takes two equal "
+            f"chunks of the sequence), but data.seq_len={seq_len}"
+        )
+    if cfg.data.get("document_mask"):
+        raise ConfigError(
+            "strategy.cp > 1 runs causal ring attention, which takes no document mask: set data.document_mask=false"
+        )
+    if cfg.strategy.get("sequence_parallel") and (seq_len // cp) % dims.tp:
+        raise ConfigError(
+            f"strategy.sequence_parallel=true with strategy.cp={cp} splits each cp rank's {seq_len // cp} tokens "
+            f"over strategy.tp={dims.tp}: make data.seq_len a multiple of cp x tp = {cp * dims.tp}"
+        )
+
+
+def _check_tensor_parallel(cfg: DictConfig, tp: int) -> None:
+    """Each tp rank holds whole heads (query and key/value: GQA), 1/tp of the MLP and of the vocabulary."""
+    model = cfg.model
+    heads = model.num_attention_heads
+    splits = {
+        "model.num_attention_heads": heads,
+        "model.num_key_value_heads": model.get("num_key_value_heads") or heads,
+        "model.intermediate_size": model.intermediate_size,
+    }
+    if model.vocab_size is not None:
+        splits["model.vocab_size"] = model.vocab_size
+    elif 64 % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} must divide the vocabulary, and model.vocab_size=null is the tokenizer's size "
+            f"rounded up to a multiple of 64; set model.vocab_size to a multiple of {tp} (or use a tp dividing 64)"
+        )
+    if cfg.strategy.get("sequence_parallel"):
+        splits["data.seq_len"] = cfg.data.seq_len
+    for key, size in splits.items():
+        if size % tp:
+            raise ConfigError(f"strategy.tp={tp} must divide {key}={size} (each tp rank takes 1/tp of it)")

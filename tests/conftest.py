@@ -5,15 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import ForkServer
 
 from parallama.runtime.launch import use_private_torch_extensions
 
 use_private_torch_extensions()  # one DeepSpeed op build for the whole suite, whatever HOME a test sets
+# One matplotlib font cache too (torchmetrics imports matplotlib): a test's fresh HOME would otherwise have every
+# process of that test build it again (~5 s each).
+os.environ.setdefault("MPLCONFIGDIR", str(Path(tempfile.gettempdir()) / "parallama-tests-matplotlib"))
 
 # A model and run small enough for a 2-core CPU: a few steps of a 2-layer, 64-wide Llama on 12 documents.
 # Everything else stays at its default (warmup, validation before training, the sample at the end).
@@ -46,21 +51,33 @@ def no_wandb_account(tmp_path, monkeypatch):
 LAUNCH_ENV = ("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
+_SERVER_ENV = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
+_SERVER_ENV.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+_fork_server: ForkServer | None = None
+
+
 def run_cli(
     module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` in its own process, forked from a server that has imported torch and
+    Lightning already (tests/forkserver.py; PARALLAMA_TEST_FORK=0: a fresh interpreter)."""
+    global _fork_server
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}, **(env or {})}
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    if os.environ.get("PARALLAMA_TEST_FORK", "1") != "0":
+        _fork_server = _fork_server or ForkServer(_SERVER_ENV)
+        proc = _fork_server.run(module, list(args), cwd=cwd, env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     if check and proc.returncode != 0:
         output = proc.stdout + proc.stderr
         errors = [line for line in output.splitlines() if "error" in line.lower()][
@@ -78,6 +95,11 @@ def train(
 ) -> subprocess.CompletedProcess:
     extra = [f"paths.cache_dir={cache}"] + ([f"hydra.run.dir={run_dir}"] if run_dir else [])
     return run_cli("parallama.cli.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
+
+
+def pytest_sessionfinish(session) -> None:
+    if _fork_server is not None:
+        _fork_server.close()
 
 
 @pytest.fixture(scope="session")

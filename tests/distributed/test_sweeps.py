@@ -6,6 +6,7 @@ import csv
 import re
 import socket
 
+import optuna
 import pytest
 import yaml
 from conftest import TINY, run_cli, train
@@ -43,19 +44,17 @@ def peak_logged_lr(job) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "deepspeed"])
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "deepspeed"])
 def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strategy):
-    """The three ways ranks start and end a job: re-run children (ddp; ddp_sharded and fsdp start theirs the
-    same way), spawned children (ddp_spawn), and DeepSpeed's own cached process groups released between jobs.
-    Under ddp MASTER_PORT is fixed (as docs/strategies.md suggests for two runs on one node): the second job
-    must not rendezvous with the first job's finished ranks."""
+    """Two of the three ways ranks start and end a job: spawned children (ddp_spawn) and DeepSpeed's own cached
+    process groups released between jobs. The third, re-run children (ddp; ddp_sharded and fsdp start theirs the
+    same way), is the Optuna sweep's below."""
     lrs = [1e-3, 2e-3]
     args = [f"strategy={strategy}", "trainer.devices=2", "optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]"]
     args += [
         "validate_before_training=false"
     ]  # one spawn per ddp_spawn job (validate + fit: test_strategies)
-    env = {"MASTER_PORT": str(free_port())} if strategy == "ddp" else {}
-    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path, env=env)
+    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=tmp_path)
     jobs = job_dirs(tmp_path)
     assert [job.name for job in jobs] == ["0", "1"]
     for job, lr in zip(jobs, lrs):
@@ -69,24 +68,40 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path, data_cache, strateg
 
 
 @pytest.mark.multiprocess
-def test_optuna_trials_run_every_rank_with_the_trials_lr_and_short_trials_are_scored(tmp_path, data_cache):
-    """Each trial validates after its last step, so a sweep of trials shorter than a validation interval gets a
-    (final) score for each."""
+def test_optuna_under_ddp_scores_short_trials_and_prunes_on_every_rank(tmp_path, data_cache):
+    """Two 2-rank ddp trials of 3 steps, validating every 2: each rank trains with its trial's lr; trial 0
+    (lr 3e-2) learns and is scored by the validation after its last step (3 is no multiple of the interval);
+    trial 1 (lr 1e-6) learns nothing and is pruned at step 2 (pruner.n_startup_trials=1): rank 0 alone talks to
+    the study, both ranks stop at the same step and save, and the sweep goes on (a rank left waiting in a
+    collective would hang until the timeout). MASTER_PORT is fixed (as docs/strategies.md suggests for two runs
+    on one node): the second job must not rendezvous with the first job's finished ranks; each job has its own
+    W&B run (rank 0's), whose id its checkpoint keeps."""
     args = ["hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "trainer.devices=2"]
-    train(*args, "trainer.val_check_interval=100", cwd=tmp_path, cache=data_cache)
+    args += ["trainer.max_steps=3", "pruner.n_startup_trials=1", "logger=[csv,wandb]"]
+    args += ["hydra.sweeper.enqueue_trials=[{optimizer.lr:3e-2},{optimizer.lr:1e-6}]"]
+    train(*args, cwd=tmp_path, cache=data_cache, timeout=600, env={"MASTER_PORT": str(free_port())})
     jobs = job_dirs(tmp_path)
     assert [job.name for job in jobs] == ["0", "1"]
-    trial_lrs = [
-        yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"] for job in jobs
-    ]
-    assert trial_lrs[0] != trial_lrs[1] and all(1e-4 <= lr <= 3e-2 for lr in trial_lrs)
-    for job, lr in zip(jobs, trial_lrs):
+    for job, lr in zip(jobs, [3e-2, 1e-6]):
+        assert yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"] == lr
         assert rank_lrs(job) == pytest.approx({0: lr, 1: lr}, rel=1e-5)  # logged as %g: 6 digits
         assert peak_logged_lr(job) == pytest.approx(lr)
-        with open(job / "csv" / "metrics.csv") as f:  # validated after the 4th step (index 3) only
-            assert [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]] == [0, 3]
+        run = wandb_run(job)  # exactly one offline run: rank 0's
+        assert run["config"]["config"]["optimizer"]["lr"] == lr
+        assert client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path}/logs/optuna.db")
+    done, pruned = study.get_trials()
+    assert (done.state.name, pruned.state.name) == ("COMPLETE", "PRUNED")
+    assert list(done.intermediate_values) == [2, 3] and done.value == done.intermediate_values[3]
+    assert pruned.user_attrs["pruned_at_step"] == 2 and list(pruned.intermediate_values) == [2]
+    with open(jobs[0] / "csv" / "metrics.csv") as f:  # before training, after step 2 and after the last (3)
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]] == [0, 1, 2]
+    assert (jobs[1] / "train_ddp_process_1.log").exists()  # the pruned trial's second rank, in its directory
+    assert client_state(jobs[1] / "checkpoints" / "last.ckpt")["global_step"] == 2  # every rank saved at 2
+    with open(jobs[1] / "csv" / "metrics.csv") as f:
+        assert max(int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]) == 1
     results = yaml.safe_load((jobs[0].parent / "optimization_results.yaml").read_text())
-    assert results["best_params"]["optimizer.lr"] in trial_lrs and results["best_value"] > 0
+    assert results["best_params"] == {"optimizer.lr": 3e-2} and results["best_value"] == done.value
 
 
 @pytest.mark.parametrize(

@@ -200,11 +200,12 @@ def test_train_ddp_sim(cfg_train: DictConfig, tmp_path: Path, data_cache, monkey
     with open_dict(cfg):
         for key in ("paths", "data", "logger"):
             cfg[key] = cfg_train[key]
-        cfg.trainer.limit_train_batches = 0.05
+        cfg.trainer.limit_train_batches = 2  # the template's 5% of an epoch is 12 batches here
         cfg.trainer.limit_val_batches = cfg_train.trainer.limit_val_batches
         cfg.trainer.max_epochs = 2
         cfg.trainer.accelerator = "cpu"
         cfg.trainer.devices = 2
+        cfg.validate_before_training = False  # one spawn of the ranks (fit), not two (validate, then fit)
     HydraConfig().set_config(cfg)
     metric_dict, _ = train(cfg)
     assert "last.ckpt" in os.listdir(tmp_path / "checkpoints")

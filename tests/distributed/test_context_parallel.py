@@ -1,6 +1,7 @@
 """Context parallelism on CPU (gloo): torch's ring attention with the CPU kernel, the load-balanced sequence
 sharding and its inverse, each shard's rotary positions, the loss over the cp group and FSDP over dp_shard x cp,
-against one process; and a cp=2 checkpoint resumed on one process (strategy=fsdp) against the uninterrupted run."""
+against one process; and a run resumed out of cp=2 (onto strategy=fsdp on 1 process) and into it (from a 1-process
+file) against the uninterrupted run."""
 
 import csv
 import json
@@ -205,19 +206,26 @@ def test_cp2_x_tp2_with_sequence_parallel_equals_one_process(runs):
     assert_parity(runs, "cp2_tp2_sp", atol=1e-5)
 
 
+RESUMES = {  # name: (the layout whose step-3 checkpoint is resumed, the resuming run's layout)
+    "cp2_to_fsdp1": ("cp2", ["strategy=fsdp", "trainer.devices=1"]),  # the universal path out of cp's DCP
+    "file_to_cp2": ("one", LAYOUTS["cp2"]),  # a Lightning file into FSDP2 over dp_shard x cp
+}
+
+
 @pytest.mark.multiprocess
-def test_a_cp2_checkpoint_resumes_on_one_process_exactly(runs, tmp_path, data_cache):
-    """cp=2's step-3 checkpoint (DCP, FSDP over dp_shard_cp) resumed by strategy=fsdp on 1 process to step 6 (the
-    universal path) equals the uninterrupted 1-process run at step 6: weights and AdamW moments to the parity's
-    tolerance, the step and token counters, the data position's running hash (measured: weights 1.24e-6, AdamW moments 4.0e-9)."""
-    (one_dir, _), (cp_dir, _) = runs("one"), runs("cp2")
+@pytest.mark.parametrize("name", RESUMES)
+def test_a_run_resumes_into_and_out_of_cp2_exactly(runs, name, tmp_path, data_cache):
+    """A step-3 checkpoint resumed to step 6 under the other layout equals the uninterrupted 1-process run at
+    step 6: weights and AdamW moments to the parity's tolerance, the step and token counters, the data position's
+    running hash (measured, cp2 -> fsdp on 1 process: weights 1.24e-6, AdamW moments 4.0e-9)."""
+    source, layout = RESUMES[name]
+    (one_dir, _), (source_dir, _) = runs("one"), runs(source)
+    ckpt = step_ckpt(source_dir, STEPS) if source == "one" else source_dir / "checkpoints" / "last.ckpt"
     quiet = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
-    resume = [f"trainer.max_steps={2 * STEPS}", "strategy=fsdp", "trainer.devices=1", *quiet]
-    ckpt = cp_dir / "checkpoints" / "last.ckpt"
-    proc = train(
-        *PARITY, *resume, f"ckpt_path={ckpt}", cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run"
-    )
-    assert "resuming a model_parallel checkpoint" in proc.stdout + proc.stderr
+    resume = [*layout, f"trainer.max_steps={2 * STEPS}", *quiet, f"ckpt_path={ckpt}"]
+    proc = train(*PARITY, *resume, cwd=tmp_path, cache=data_cache, run_dir=tmp_path / "run")
+    writer = "auto" if source == "one" else "model_parallel"
+    assert f"resuming a {writer} checkpoint" in proc.stdout + proc.stderr
     got = universal.read(tmp_path / "run" / "checkpoints" / "last.ckpt")
     want = universal.read(step_ckpt(one_dir, 2 * STEPS))
     assert got.client["global_step"] == want.client["global_step"] == 2 * STEPS

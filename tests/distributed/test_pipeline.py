@@ -6,6 +6,7 @@ against, for 3 optimizer steps with gradient clipping on (the norm over both sta
 
     gpipe (2 ranks x 8, 2 microbatches)            interleaved_1f1b (2 x 8, 2 stages per rank, 4 microbatches)
     1f1b on pp=2 x dp_shard=2 (4 ranks x 4: FSDP2 inside each stage)
+    1f1b on pp=2 x tp=2 (4 ranks x 8: TP inside each stage, the loss on the last stage's vocab-sharded logits)
 
 the same global batch 8: weights and AdamW moments after 3 steps (to 1e-5), val/loss at every validation and
 train/loss at every step (metrics.csv, written by rank 0, which holds the first stage: its loss is the last
@@ -62,6 +63,7 @@ SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains
         ],
     ),
     "1f1b_fsdp": ({"pp": 2, "dp_shard": 2}, 4, ["strategy.pp_schedule=1f1b"]),
+    "1f1b_tp": ({"pp": 2, "tp": 2}, 8, ["strategy.pp_schedule=1f1b"]),
 }
 RESUMES = {  # name: (source run, ranks, overrides)
     "pp_to_fsdp1": ("interleaved_1f1b", 1, ["strategy=fsdp", "data.batch_size=8"]),

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import socket
 import statistics
 import sys
 import warnings
@@ -112,3 +113,30 @@ def save(out: str | None, name: str, info: dict, results: dict) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"benchmark": name, "machine": info, **results}, indent=2) + "\n")
         print(f"# wrote {out}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, world: int, *args) -> list:
+    """Run `target(rank, world, port, *args, queue)` in `world` spawned processes (gloo on `port`); what the ranks
+    put on the queue. Spawn, not fork: a fork of this multi-threaded process hung now and then (locks held by
+    other threads)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.SimpleQueue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    results = []
+    while not queue.empty():
+        results.append(queue.get())
+    return results

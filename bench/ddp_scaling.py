@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,10 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
-from bench.common import ROOT, datamodule, machine, median, preset, print_machine, quiet, save
+from bench.common import ROOT, datamodule, machine, median, preset, print_machine, quiet, save, spawn_ranks
 from bench.overhead import train_loop
 
 GOAL = 1.85
@@ -49,12 +47,6 @@ class StepClock(Callback):
         elif trainer.global_step == trainer.max_steps and trainer.global_rank == 0:
             steps = trainer.global_step - self.warmup
             Path(self.path).write_text(json.dumps(steps / (time.perf_counter() - self.t0)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
@@ -84,17 +76,8 @@ def _plain_rank(rank: int, world: int, port: int, args, queue) -> None:
 
 def plain(args, world: int) -> float:
     """Total tokens/s of `world` single-threaded ranks."""
-    # spawn, not fork: a fork of this multi-threaded process hung now and then (locks held by other threads)
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), _free_port()
-    procs = [ctx.Process(target=_plain_rank, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"plain DDP rank failed: exit codes {[p.exitcode for p in procs]}")
-    return queue.get() * args.batch * args.seq_len * world
+    (steps_per_s,) = spawn_ranks(_plain_rank, world, args)  # rank 0 reports
+    return steps_per_s * args.batch * args.seq_len * world
 
 
 def parallama(args, world: int) -> float:

@@ -20,14 +20,12 @@ ring all-reduce sends 2(n-1)/n of its tensor per rank), but it compares layouts 
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-from bench.common import machine, median, preset, print_machine, quiet, save
+from bench.common import machine, median, preset, print_machine, quiet, save, spawn_ranks
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import SINGLE_STAGE
 
@@ -43,12 +41,6 @@ LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world s
 }
 OPTIONS = ("sequence_parallel",)  # layout keys that are not mesh sizes
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mesh_sizes(layout: dict) -> dict:
@@ -151,18 +143,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
 
 def measure(layout: dict, args) -> dict:
     """Rank 0's median step time, the bytes per step averaged over the ranks."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.world, port, layout, args, queue)) for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
+    ranks = sorted(spawn_ranks(_rank, args.world, layout, args), key=lambda r: r["rank"])
     kinds = {kind for r in ranks for kind in r["bytes"]}
     volume = {kind: sum(r["bytes"].get(kind, 0) for r in ranks) / len(ranks) for kind in sorted(kinds)}
     dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))

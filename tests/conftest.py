@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,25 @@ LONG = [
     "trainer.val_check_interval=1000",
     "callbacks.last_checkpoint.every_n_train_steps=3",
 ]
+
+
+# A model built directly, without a training run (the lm-eval wrapper's tests): 2 layers, 32 wide, GQA.
+SMALL_LLAMA = {
+    "family": "llama",
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def weights(ckpt) -> dict:

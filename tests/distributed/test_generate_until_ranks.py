@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from conftest import SMALL_LLAMA
 from lm_eval.api.instance import Instance
 
 from parallama.data.tokenizer import byte_level
@@ -22,23 +23,13 @@ from parallama.models import model_spec
 
 pytestmark = pytest.mark.multiprocess
 
-SHAPE = {
-    "family": "llama",
-    "vocab_size": 320,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
 WORLD = 2
 
 
 def build():
     torch.manual_seed(0)
-    spec = model_spec(SHAPE)
-    return spec.model(spec.build_config(SHAPE)).eval()
+    spec = model_spec(SMALL_LLAMA)
+    return spec.model(spec.build_config(SMALL_LLAMA)).eval()
 
 
 def requests() -> list[Instance]:

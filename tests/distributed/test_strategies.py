@@ -7,13 +7,12 @@ through `parallama-export`. Each case is its own subprocess: Lightning's ddp re-
 from __future__ import annotations
 
 import csv
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import TINY, train
+from conftest import TINY, free_port, train
 from safetensors.torch import load_file
 
 from parallama.cli.export import main as export_hf
@@ -156,12 +155,6 @@ def test_gradient_accumulation_matches_a_bigger_batch(reference, tmp_path, data_
     assert_same_weights(
         export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf", tmp_path), reference
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_two_nodes_on_localhost(reference, tmp_path, data_cache):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import csv
 import re
-import socket
 
 import optuna
 import pytest
 import yaml
-from conftest import TINY, run_cli, train
+from conftest import TINY, free_port, run_cli, train
 from hydra import compose, initialize_config_dir
 from wandb_files import wandb_run
 
@@ -17,12 +16,6 @@ from parallama import CONF_DIR
 from parallama.checkpoint.formats import client_state
 
 pytestmark = pytest.mark.usefixtures("no_wandb_account")  # W&B picks offline mode by itself
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_dirs(cwd) -> list:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_LLAMA
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
@@ -15,23 +16,12 @@ from parallama.evaluation import tasks as embedded
 from parallama.evaluation.harness import ParallamaLM, evaluate, task_manager
 from parallama.models import model_spec
 
-SHAPE = {
-    "family": "llama",
-    "vocab_size": 320,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     torch.manual_seed(0)
-    spec = model_spec(SHAPE)
-    config = spec.build_config(SHAPE)
+    spec = model_spec(SMALL_LLAMA)
+    config = spec.build_config(SMALL_LLAMA)
     model = spec.model(config)
     out = tmp_path_factory.mktemp("hf")
     spec.hf.save_hf_folder(out, model.state_dict(), config, byte_level().to_str())

@@ -18,7 +18,7 @@ from lm_eval.api.instance import Instance
 
 from parallama.data.tokenizer import byte_level
 from parallama.evaluation import tasks as embedded
-from parallama.evaluation.harness import ParallamaLM
+from parallama.evaluation.lm import ParallamaLM
 from parallama.models import model_spec
 
 pytestmark = pytest.mark.multiprocess

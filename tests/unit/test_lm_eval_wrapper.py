@@ -13,7 +13,8 @@ from lm_eval.models.huggingface import HFLM
 from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
 from parallama.evaluation import tasks as embedded
-from parallama.evaluation.harness import ParallamaLM, evaluate, task_manager
+from parallama.evaluation.harness import evaluate, task_manager
+from parallama.evaluation.lm import ParallamaLM
 from parallama.models import model_spec
 
 

@@ -147,7 +147,8 @@ def device_args(device: str | None) -> dict:
 
 def downstream(cfg: DictConfig) -> dict:
     """lm-evaluation-harness scores of the checkpoint or exported folder: {task: {metric: value}}."""
-    from parallama.evaluation.harness import ParallamaLM, evaluate, task_manager
+    from parallama.evaluation.harness import evaluate, task_manager
+    from parallama.evaluation.lm import ParallamaLM
 
     task_manager(list(cfg.tasks), cfg.paths.cache_dir, cfg.task_dirs)  # a bad name: before loading the model
     lm = ParallamaLM(

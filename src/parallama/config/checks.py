@@ -12,6 +12,7 @@ import os
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.errors import ConfigError
+from parallama.parallel.dims import uses_gpu
 from parallama.parallel.layout_checks import check_layout
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -29,7 +30,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
-        check_layout(cfg, on_gpu=_uses_gpu(cfg))
+        check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
         apply_global_batch(cfg)
 
 
@@ -220,8 +221,7 @@ def _check_devices(trainer: DictConfig) -> None:
         )
     if isinstance(devices, int) and devices < 1:
         raise ConfigError(f"trainer.devices={devices} must be >= 1 (or auto)")
-    uses_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpus > 0)
-    if uses_gpu and isinstance(devices, int) and devices > gpus:
+    if uses_gpu(accelerator) and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
     if trainer.num_nodes > 1:
         from parallama.runtime.faults import check_multi_node
@@ -232,25 +232,18 @@ def _check_devices(trainer: DictConfig) -> None:
 CPU_PROCESSES_PER_CORE = 2
 
 
-def _uses_gpu(cfg: DictConfig) -> bool:
-    import torch
-
-    accelerator = cfg.trainer.accelerator
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
 def _check_strategy(cfg: DictConfig) -> None:
-    uses_gpu = _uses_gpu(cfg)
+    on_gpu = uses_gpu(cfg.trainer.accelerator)
     backend = cfg.strategy.get("process_group_backend")
-    if backend == "nccl" and not uses_gpu:
+    if backend == "nccl" and not on_gpu:
         raise ConfigError(
             "strategy.process_group_backend=nccl needs GPUs; on CPU use gloo (or null to choose)"
         )
-    if cfg.strategy.get("mixed_precision") == "fp16" and not uses_gpu:
+    if cfg.strategy.get("mixed_precision") == "fp16" and not on_gpu:
         raise ConfigError("strategy.mixed_precision=fp16 needs GPUs; on CPU use bf16 or null")
     # Two CPU processes per core at most: enough to run a 4-rank layout (e.g. dp_shard=2 x tp=2) on 2 cores.
     most = CPU_PROCESSES_PER_CORE * (os.cpu_count() or 1)
-    if not uses_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > most:
+    if not on_gpu and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > most:
         raise ConfigError(
             f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores "
             f"(at most {most}: {CPU_PROCESSES_PER_CORE} per core)"

@@ -64,7 +64,8 @@ class DownstreamEval(Callback):
         """Scores the model as it is now and logs them at the current step; {"eval/<task>/<metric>": value}."""
         from tokenizers import Tokenizer
 
-        from parallama.evaluation.harness import ParallamaLM, evaluate
+        from parallama.evaluation.harness import evaluate
+        from parallama.evaluation.lm import ParallamaLM
 
         if trainer.sanity_checking or trainer.fast_dev_run:
             return {}

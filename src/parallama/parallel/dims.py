@@ -107,6 +107,17 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
 
 
+def uses_gpu(accelerator: str) -> bool:
+    """Whether `trainer.accelerator` puts this run on GPUs ("auto": when one is visible, as Lightning chooses)."""
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def processes_per_node(devices, accelerator: str = "auto") -> int:
     """How many processes `trainer.devices` starts on a node: a count, a list of device ids, or "auto"/-1 (every
     GPU, or one process on a CPU-only machine, as Lightning counts them)."""
@@ -118,8 +129,7 @@ def processes_per_node(devices, accelerator: str = "auto") -> int:
         return len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
     if isinstance(devices, int) and devices > 0:
         return devices
-    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return max(torch.cuda.device_count(), 1) if gpu else 1
+    return max(torch.cuda.device_count(), 1) if uses_gpu(accelerator) else 1
 
 
 def dims_of_config(cfg) -> ParallelDims:

@@ -30,6 +30,7 @@ from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, ListConfig, open_dict
 
 from parallama.errors import ConfigError
+from parallama.parallel.dims import processes_per_node, uses_gpu
 from parallama.runtime.launch import JOB_RETURN_ENV, free_port, job_command
 
 log = logging.getLogger(__name__)
@@ -199,19 +200,7 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def uses_gpu(accelerator: str) -> bool:
-    if accelerator in ("gpu", "cuda"):
-        return True
-    if accelerator != "auto":
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def cpu_processes(trainer: DictConfig) -> int:
-    from parallama.parallel.dims import processes_per_node
-
     return processes_per_node(_devices(trainer), "cpu")
 
 
@@ -219,8 +208,6 @@ def job_devices(trainer: DictConfig, gpu: bool) -> int:
     """The GPUs a job uses (`trainer.devices`: a count, ids, or all), or on CPU its processes' cores (one each)."""
     if not gpu:
         return cpu_processes(trainer)
-    from parallama.parallel.dims import processes_per_node
-
     return processes_per_node(_devices(trainer), "gpu")
 
 

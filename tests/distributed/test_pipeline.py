@@ -17,6 +17,7 @@ Resume: from step 3 to step 6, each equal to the reference's step 6 (weights and
 the data position's running hash):
 
     interleaved_1f1b (DCP, each stage's keys) -> strategy=fsdp on 1 process   the universal path out of PP
+    pp=2 x tp=2 (DCP, stages of TP DTensors) -> dp_shard=4 (FSDP2 on 4 ranks)  out of PP and TP at once
     the reference (one process, a Lightning file) -> pp=2 looped_bfs          a stage loads its share of it
 
 The LR is constant (a run's schedule then does not depend on its length) and low enough that reduction-order
@@ -67,6 +68,7 @@ SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains
 }
 RESUMES = {  # name: (source run, ranks, overrides)
     "pp_to_fsdp1": ("interleaved_1f1b", 1, ["strategy=fsdp", "data.batch_size=8"]),
+    "pp_tp_to_dp_shard4": ("1f1b_tp", 4, [MP, "strategy.dp_shard=4", "data.batch_size=2"]),
     "file_to_pp": (
         "ref",
         2,

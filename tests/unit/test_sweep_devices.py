@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from parallama.errors import ConfigError
+from parallama.runtime.launch import JOB_CORES_ENV
 from parallama.sweeps.launcher import DeviceLauncher, job_devices, jobs_at_once
 
 
@@ -33,3 +36,17 @@ def test_the_pool_is_the_visible_gpus_or_the_cores(monkeypatch):
 def test_a_job_needs_its_trainer_devices(devices, gpu, need):
     trainer = OmegaConf.create({"devices": devices, "accelerator": "gpu" if gpu else "cpu", "num_nodes": 1})
     assert job_devices(trainer, gpu) == need
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to one of them")
+def test_a_cpu_job_pins_itself_and_its_ranks_to_its_cores():
+    """The launcher hands a CPU job its cores in PARALLAMA_JOB_CORES; the job's processes pin themselves."""
+    core = max(os.sched_getaffinity(0))
+    code = "from parallama.runtime.launch import pin_to_job_cores as p; import os; p(); print(os.sched_getaffinity(0))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, JOB_CORES_ENV: str(core)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == str({core}), out.stderr

@@ -43,6 +43,9 @@ def train_job(cfg: DictConfig) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from parallama.runtime.launch import pin_to_job_cores
+
+    pin_to_job_cores()  # first: before torch starts its threads
     app.run("train", train_job, argv, check=check, log_errors=True, setup=setup)
 
 

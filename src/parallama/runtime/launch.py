@@ -96,6 +96,15 @@ def started_ranks() -> list[subprocess.Popen]:
 
 # Where a job started by parallama.sweeps.launcher writes its return value (`JobReturnFile`).
 JOB_RETURN_ENV = "PARALLAMA_JOB_RETURN"
+# The CPU cores a job of a CPU sweep may use (parallama.sweeps.launcher): its processes pin themselves at start.
+JOB_CORES_ENV = "PARALLAMA_JOB_CORES"
+
+
+def pin_to_job_cores() -> None:
+    """Keep this process (and the threads and ranks it starts) on the cores its sweep job was given, if any."""
+    cores = os.environ.get(JOB_CORES_ENV)
+    if cores:
+        os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
 
 
 class JobReturnFile(Callback):

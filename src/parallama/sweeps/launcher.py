@@ -2,8 +2,8 @@
 to its own devices (`hydra/launcher: devices`, the `launcher=local` default).
 
 Each job runs as `parallama-train <its overrides> hydra.run.dir=<its job dir> hydra.mode=RUN` with
-CUDA_VISIBLE_DEVICES set to its GPUs (or, on a CPU-only machine, its process pinned to its own cores and
-OMP_NUM_THREADS set to match) and a MASTER_PORT of its own, so a trial that is itself a ddp/fsdp/deepspeed run
+CUDA_VISIBLE_DEVICES set to its GPUs (or, on a CPU-only machine, its processes pinned to its own cores,
+`runtime.launch.pin_to_job_cores`, and OMP_NUM_THREADS set to match) and a MASTER_PORT of its own, so a trial that is itself a ddp/fsdp/deepspeed run
 starts its ranks (runtime/launch.py) exactly as a single run does and never meets another job's process group.
 `n_jobs` defaults to devices // devices per job (`trainer.devices`); jobs start in order as devices free up.
 
@@ -31,7 +31,7 @@ from omegaconf import DictConfig, ListConfig, open_dict
 
 from parallama.errors import ConfigError
 from parallama.parallel.dims import processes_per_node, uses_gpu
-from parallama.runtime.launch import JOB_RETURN_ENV, free_port, job_command
+from parallama.runtime.launch import JOB_CORES_ENV, JOB_RETURN_ENV, free_port, job_command
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +162,11 @@ class DeviceLauncher(Launcher):
         passed = [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(_NOT_PASSED)]
         command = job_command(hydra_cfg, [*job.overrides, *passed], str(job.dir))
         env = {**os.environ, "MASTER_PORT": str(free_port()), JOB_RETURN_ENV: str(result)}
-        pin = None
         if gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(job.devices)
-        else:
-            cores = {int(c) for c in job.devices}
-            env.setdefault("OMP_NUM_THREADS", str(max(1, len(cores) // job.processes)))
-            pin = lambda: os.sched_setaffinity(0, cores)  # noqa: E731
+        else:  # the job pins itself, and its ranks, at start (no preexec_fn: unsafe in a process with threads)
+            env[JOB_CORES_ENV] = ",".join(job.devices)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, len(job.devices) // job.processes)))
         out = open(job.dir / "job.out", "w") if quiet else None  # jobs at once: each prints to its own file
         devices = ("GPU " if gpu else "CPU cores ") + ",".join(job.devices)
         log.info(f"#{job.idx} on {devices}: {' '.join(filter_overrides(job.overrides))} -> {job.dir}")
@@ -178,7 +176,6 @@ class DeviceLauncher(Launcher):
             cwd=os.getcwd(),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            preexec_fn=pin,
         )
         job.started = time.time()
         if out is not None:

@@ -58,16 +58,23 @@ _fork_server: ForkServer | None = None
 
 
 def run_cli(
-    module: str, *args: str, cwd: Path, timeout: int = 300, check: bool = True, env: dict | None = None
+    module: str,
+    *args: str,
+    cwd: Path,
+    timeout: int = 300,
+    check: bool = True,
+    env: dict | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` in its own process, forked from a server that has imported torch and
-    Lightning already (tests/forkserver.py; PARALLAMA_TEST_FORK=0: a fresh interpreter)."""
+    Lightning already (tests/forkserver.py); `fresh` (or PARALLAMA_TEST_FORK=0): a fresh interpreter, whose
+    ranks are fresh interpreters too."""
     global _fork_server
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}, **(env or {})}
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
     )
-    if os.environ.get("PARALLAMA_TEST_FORK", "1") != "0":
+    if not fresh and os.environ.get("PARALLAMA_TEST_FORK", "1") != "0":
         _fork_server = _fork_server or ForkServer(_SERVER_ENV)
         proc = _fork_server.run(module, list(args), cwd=cwd, env=env, timeout=timeout)
     else:

@@ -79,7 +79,9 @@ VARIANTS = {  # id: overrides
 def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, data_cache):
     run = tmp_path / "run"
     args = [*PARITY, *COMBINATIONS[strategy], f"strategy={strategy}", "trainer.devices=2"]
-    proc = train(*args, cwd=tmp_path, cache=data_cache, run_dir=run)
+    # ddp as a user's shell starts it: rank 0 and the rank it starts are fresh interpreters (not forked, see
+    # tests/forkserver.py), so nothing the test's preloaded server imported can hide a missing import.
+    proc = train(*args, cwd=tmp_path, cache=data_cache, run_dir=run, fresh=strategy == "ddp")
     out = proc.stdout + proc.stderr
     assert "rank 0/2" in out and "\nsample:\n" in out and "Traceback" not in out
     assert "final metrics:   {'val/loss'" in out  # validated after the last step (3; the interval is 2)

@@ -40,3 +40,5 @@ def test_sequence_parallel_splits_each_cp_ranks_tokens():
 
 def test_a_good_cp_setting_passes():
     preflight(CONF_DIR, "train", [*CP, "data.seq_len=64", "strategy.dp_shard=1"])
+    # with a pipeline too: each stage's attention runs the ring (tests/distributed/test_context_parallel.py)
+    preflight(CONF_DIR, "train", [*CP, "trainer.devices=4", "strategy.pp=2", "strategy.dp_shard=1"])

@@ -17,8 +17,6 @@ from parallama.parallel.options import SINGLE_STAGE
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
     """The mesh's sizes against the world size (`ParallelDims.resolve`), then what each dimension in use needs."""
     dims, strategy = dims_of_config(cfg), cfg.strategy
-    if dims.pp > 1 and dims.cp > 1:
-        raise ConfigError("strategy.pp > 1 with strategy.cp > 1 is not supported yet; use one of them")
     if dims.pp > 1:
         _check_pipeline(cfg, dims.pp)
     if dims.cp > 1:

@@ -10,12 +10,15 @@ that shares those modules. strategy=model_parallel builds a `Pipeline` when its 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from parallama.parallel.context import sharded_batch
 from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, PipelineOptions
 
 BATCH_KWARGS = (
@@ -58,18 +61,19 @@ class Pipeline:
         )
         return loss / self._denominator
 
-    def loss(self, batch: dict, *, train: bool, accumulate: int = 1, parameters=()) -> Tensor:
+    def loss(self, batch: dict, *, train: bool, accumulate: int = 1, parameters=(), cp_mesh=None) -> Tensor:
         """The batch's mean loss, the same on every rank of the pipeline. Evaluation runs forward only.
 
         Training runs forward and backward, but Lightning's loop expects the gradients from `backward`, after it
         may have zeroed the earlier ones (the first batch of an accumulation window): the step's gradients, those
-        of loss / `accumulate`, are kept aside here and `add_grads` adds them there. `parameters`: this rank's."""
+        of loss / `accumulate`, are kept aside here and `add_grads` adds them there. `parameters`: this rank's.
+        `cp_mesh` (context parallel): the schedule runs on this rank's part of each sequence, see `_run`."""
         if train:
             parameters = list(parameters)
             before = [p.grad for p in parameters]
             for p in parameters:
                 p.grad = None
-            loss = self._run(batch, accumulate, self.schedule.step)
+            loss = self._run(batch, accumulate, self.schedule.step, cp_mesh)
             self._step_grads = [(p, p.grad) for p in parameters]
             for p, grad in zip(parameters, before):
                 p.grad = grad
@@ -77,19 +81,34 @@ class Pipeline:
         # Lightning evaluates under inference mode, whose tensors the stages' buffers must not become.
         with torch.inference_mode(False), torch.no_grad():
             batch = self._padded({k: v.clone() for k, v in batch.items()})
-            return self._run(batch, 1, self.schedule.eval)
+            return self._run(batch, 1, self.schedule.eval, cp_mesh)
 
-    def _run(self, batch: dict, accumulate: int, run) -> Tensor:
-        labels = batch["labels"]
+    def _run(self, batch: dict, accumulate: int, run, cp_mesh=None) -> Tensor:
+        """With `cp_mesh` the schedule (forward and backward) runs inside the ring-attention context on this cp
+        rank's shard of every sequence, its tokens' absolute positions given to every stage; each microbatch's
+        loss is divided by the labelled tokens of the whole batch over cp ranks, times cp (FSDP averages over
+        dp_shard x cp, as parallel/context.py's `mean_loss`), and the last stage sums the cp ranks' losses."""
         if self._rows is None:
-            self._rows = labels.shape[0]
-        self._denominator = (labels != -100).sum().clamp(min=1).float() * accumulate
-        kwargs = {k: batch[k] for k in BATCH_KWARGS if batch.get(k) is not None}
-        args = (batch["input_ids"],) if self.has_first else ()
-        losses: list[Tensor] | None = [] if self.has_last else None
-        run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
+            self._rows = batch["labels"].shape[0]
+        with sharded_batch(cp_mesh, batch) if cp_mesh is not None else nullcontext(batch) as batch:
+            labels = batch["labels"]
+            count = (labels != -100).sum().float()
+            if cp_mesh is not None:
+                dist.all_reduce(count, group=cp_mesh.get_group())
+                batch["position_ids"] = batch["position_ids"].expand(
+                    labels.shape[0], -1
+                )  # split per microbatch
+            cp = cp_mesh.size() if cp_mesh is not None else 1
+            self._denominator = count.clamp(min=1) * accumulate / cp
+            kwargs = {k: batch[k] for k in BATCH_KWARGS if batch.get(k) is not None}
+            args = (batch["input_ids"],) if self.has_first else ()
+            losses: list[Tensor] | None = [] if self.has_last else None
+            run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         if self.has_last:
             loss = torch.stack([_local(x) for x in losses]).sum().detach() * accumulate
+            if cp_mesh is not None:  # each cp rank holds cp x its share of the batch's mean
+                dist.all_reduce(loss, group=cp_mesh.get_group())
+                loss = loss / cp
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)

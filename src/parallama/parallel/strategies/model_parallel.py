@@ -137,9 +137,14 @@ class ModelParallel(FSDP2):
         adds its gradients); its loss comes back on every rank of the pipeline."""
         if self.pipeline is not None:
             train, accumulate = module.training, module.trainer.accumulate_grad_batches
+            cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
             with self.loss_context():
                 loss = self.pipeline.loss(
-                    batch, train=train, accumulate=accumulate, parameters=module.parameters()
+                    batch,
+                    train=train,
+                    accumulate=accumulate,
+                    parameters=module.parameters(),
+                    cp_mesh=cp_mesh,
                 )
             if train and self.world_size > 1:  # every pp rank of a batch holds the same value
                 torch.distributed.all_reduce(loss)

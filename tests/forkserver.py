@@ -6,14 +6,15 @@ hundred of them. Each `run_cli` is still its own process, with its own argv, env
 exit status and stdout/stderr, run as `python -m <module>` runs it: this server forks it after the imports instead
 of a fresh interpreter doing them again.
 
-The processes such a run starts as `python -m parallama.<tool> ...` through `subprocess.Popen` (the ranks
-parallama's launcher starts, torchrun's workers, the sweep launcher's jobs) are forked the same way, and are still
-that run's children: before its module runs, each forked process forks a "zygote" of itself (imports done, nothing
-run yet) and becomes a child subreaper; its Popen asks the zygote for the process, the zygote forks it through an
-intermediate that exits at once, and the kernel hands the orphan to its nearest subreaper, the process that called
-Popen. Popen then waits, polls and kills it as a child it started; the child's parent is that process, as
-parallama's dead-rank watch expects. Everything else (ddp_spawn's multiprocessing, a Popen with preexec_fn or
-other executables) starts as it always does.
+The processes such a run starts are forked the same way, and are still that run's children: `python -m
+parallama.<tool> ...` through `subprocess.Popen` (the ranks parallama's launcher starts, torchrun's workers, the
+sweep launcher's jobs) and multiprocessing's spawned children (ddp_spawn, the benchmarks' ranks). Before its
+program runs, each forked process forks a "zygote" of itself (imports done, nothing run yet) and becomes a child
+subreaper; Popen (or multiprocessing's `spawnv_passfds`) asks the zygote for the process, handing it the
+descriptors the child must have, the zygote forks it through an intermediate that exits at once, and the kernel
+hands the orphan to its nearest subreaper, the process that asked. That process then waits, polls and kills it as
+a child it started; the child's parent is that process, as parallama's dead-rank watch expects. Anything else (a
+Popen with a preexec_fn, another executable, interpreter options) starts as it always does.
 
 The server takes one request per line on stdin (JSON: module, args, cwd, env, out, err), forks the run, answers
 `{"pid": ...}` and, once the run has ended, `{"status": ...}`. `PARALLAMA_TEST_FORK=0` runs plain subprocesses.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,10 +20,15 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def run(capsys, tmp_path, cache: str, *argv: str) -> tuple[str, dict]:
+def run(capsys, tmp_path, cache: str, *argv: str, process: bool = False) -> tuple[str, dict]:
+    """`python -m bench <argv>`: in this process, or (`process`, benchmarks that start ranks) as a subprocess."""
     out = tmp_path / "result.json"
-    main([*argv, "--cache-dir", cache, "--out", str(out)])
-    text = capsys.readouterr().out
+    args = [*argv, "--cache-dir", cache, "--out", str(out)]
+    if process:
+        text = run_cli("bench", *args, cwd=ROOT, timeout=600).stdout
+    else:
+        main(args)
+        text = capsys.readouterr().out
     assert "# cpu: " in text and "torch " in text  # absolute numbers come with the machine
     result = json.loads(out.read_text())
     assert result["benchmark"] == argv[0] and result["machine"]["torch"] == torch.__version__
@@ -60,7 +66,7 @@ def test_data(capsys, tmp_path, cache):
 @pytest.mark.slow  # 1 and 2 ranks, twice: ~40 s; `make bench` runs the real thing
 def test_ddp_scaling(capsys, tmp_path, cache):
     tiny = ["--warmup", "1", "--steps", "2", "--repeats", "1", "--batch", "2", "--seq-len", "32"]
-    text, result = run(capsys, tmp_path, cache, "ddp-scaling", *tiny)
+    text, result = run(capsys, tmp_path, cache, "ddp-scaling", *tiny, process=True)
     assert set(result["tokens_per_s"]) == {"plain x1", "plain x2", "parallama x1", "parallama x2"}
     assert all(v[0] > 0 for v in result["tokens_per_s"].values())
     assert set(result["scaling"]) == set(result["scaling_per_round"]) == {"plain", "parallama"}
@@ -78,7 +84,7 @@ def test_nd(capsys, tmp_path, cache):
     """Three layouts that take different paths on 2 gloo ranks: FSDP's all-gathers, TP's DTensor all-reduces, the
     pipeline's sends between its two stages."""
     tiny = ["--warmup", "1", "--steps", "1", "--repeats", "1", "--global-batch", "4", "--seq-len", "32"]
-    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp", "pp")
+    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp", "pp", process=True)
     layouts = result["layouts"]
     assert set(layouts) == {"fsdp", "tp", "pp"} and layouts["tp"]["dims"]["tp"] == 2
     assert layouts["fsdp"]["step_ratio_to_fsdp"] == 1.0 and layouts["tp"]["step_ratio_to_fsdp"] > 0

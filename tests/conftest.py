@@ -105,31 +105,9 @@ def train(
     return run_cli("parallama.cli.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
 
 
-# DeepSpeed JIT-builds two C++ ops on CPU (shm_comm at every init, cpu_adam for optimizer offload): ~5 min of CPU
-# on a fresh venv. Built in the background from the session's start instead of inside the first test that needs
-# each, the build fills the time the workers wait (signals, polls) and no worker idles on the other's build lock.
-BUILD_DEEPSPEED_OPS = """
-from deepspeed.accelerator import get_accelerator
-for op in ("ShareMemCommBuilder", "CPUAdamBuilder"):  # the builders DeepSpeed itself loads: the same cached ops
-    get_accelerator().create_op_builder(op).load(verbose=False)
-"""
-_op_build: subprocess.Popen | None = None
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    global _op_build
-    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-    uses_deepspeed = any("deepspeed" in i.nodeid and not i.nodeid.startswith("tests/unit/") for i in items)
-    if first_worker and uses_deepspeed:
-        log = open(Path(tempfile.gettempdir()) / "parallama-tests-deepspeed-ops.log", "w")
-        _op_build = subprocess.Popen([sys.executable, "-c", BUILD_DEEPSPEED_OPS], stdout=log, stderr=log)
-
-
 def pytest_sessionfinish(session) -> None:
     if _fork_server is not None:
         _fork_server.close()
-    if _op_build is not None:
-        _op_build.wait()
 
 
 @pytest.fixture(scope="session")

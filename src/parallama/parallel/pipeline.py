@@ -90,23 +90,22 @@ class Pipeline:
         dp_shard x cp, as parallel/context.py's `mean_loss`), and the last stage sums the cp ranks' losses."""
         if self._rows is None:
             self._rows = batch["labels"].shape[0]
-        with sharded_batch(cp_mesh, batch) if cp_mesh is not None else nullcontext(batch) as batch:
-            labels = batch["labels"]
+        cp = cp_mesh.size() if cp_mesh is not None else 1
+        with sharded_batch(cp_mesh, batch) if cp > 1 else nullcontext(batch) as local:
+            labels = local["labels"]
             count = (labels != -100).sum().float()
-            if cp_mesh is not None:
+            if cp > 1:
                 dist.all_reduce(count, group=cp_mesh.get_group())
-                batch["position_ids"] = batch["position_ids"].expand(
-                    labels.shape[0], -1
-                )  # split per microbatch
-            cp = cp_mesh.size() if cp_mesh is not None else 1
+                # one row of positions per sample: the schedule splits every stage's kwargs into microbatches
+                local["position_ids"] = local["position_ids"].expand(labels.shape[0], -1)
             self._denominator = count.clamp(min=1) * accumulate / cp
-            kwargs = {k: batch[k] for k in BATCH_KWARGS if batch.get(k) is not None}
-            args = (batch["input_ids"],) if self.has_first else ()
+            kwargs = {k: local[k] for k in BATCH_KWARGS if local.get(k) is not None}
+            args = (local["input_ids"],) if self.has_first else ()
             losses: list[Tensor] | None = [] if self.has_last else None
             run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         if self.has_last:
             loss = torch.stack([_local(x) for x in losses]).sum().detach() * accumulate
-            if cp_mesh is not None:  # each cp rank holds cp x its share of the batch's mean
+            if cp > 1:  # each cp rank holds cp x its share of the batch's mean
                 dist.all_reduce(loss, group=cp_mesh.get_group())
                 loss = loss / cp
         else:

@@ -3,8 +3,9 @@ to its own devices (`hydra/launcher: devices`, the `launcher=local` default).
 
 Each job runs as `parallama-train <its overrides> hydra.run.dir=<its job dir> hydra.mode=RUN` with
 CUDA_VISIBLE_DEVICES set to its GPUs (or, on a CPU-only machine, its processes pinned to its own cores,
-`runtime.launch.pin_to_job_cores`, and OMP_NUM_THREADS set to match) and a MASTER_PORT of its own, so a trial that is itself a ddp/fsdp/deepspeed run
-starts its ranks (runtime/launch.py) exactly as a single run does and never meets another job's process group.
+`runtime.launch.pin_to_job_cores`, and OMP_NUM_THREADS set to match) and a MASTER_PORT of its own, so a trial
+that is itself a ddp/fsdp/deepspeed run starts its ranks (runtime/launch.py) exactly as a single run does and
+never meets another job's process group.
 `n_jobs` defaults to devices // devices per job (`trainer.devices`); jobs start in order as devices free up.
 
 Why not Hydra's joblib launcher: its workers are long-lived joblib processes whose `__main__` is joblib's own, so

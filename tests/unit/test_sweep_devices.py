@@ -39,8 +39,8 @@ def test_a_job_needs_its_trainer_devices(devices, gpu, need):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to one of them")
-def test_a_cpu_job_pins_itself_and_its_ranks_to_its_cores():
-    """The launcher hands a CPU job its cores in PARALLAMA_JOB_CORES; the job's processes pin themselves."""
+def test_a_cpu_job_pins_itself_to_the_cores_in_its_environment():
+    """The launcher hands a CPU job its cores in PARALLAMA_JOB_CORES; each of its processes pins itself at start."""
     core = max(os.sched_getaffinity(0))
     code = "from parallama.runtime.launch import pin_to_job_cores as p; import os; p(); print(os.sched_getaffinity(0))"
     out = subprocess.run(

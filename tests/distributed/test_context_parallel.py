@@ -1,7 +1,7 @@
 """Context parallelism on CPU (gloo): torch's ring attention with the CPU kernel, the load-balanced sequence
 sharding and its inverse, each shard's rotary positions, the loss over the cp group and FSDP over dp_shard x cp,
-against one process, also inside pipeline stages (pp=2 x cp=2); and a run resumed out of cp=2 (onto strategy=fsdp on 1 process) and into it (from a 1-process
-file) against the uninterrupted run."""
+against one process, also inside pipeline stages (pp=2 x cp=2); and a run resumed out of cp=2 (onto strategy=fsdp
+on 1 process) and into it (from a 1-process file) against the uninterrupted run."""
 
 import csv
 import json

@@ -17,7 +17,7 @@ Resume: from step 3 to step 6, each equal to the reference's step 6 (weights and
 the data position's running hash):
 
     interleaved_1f1b (DCP, each stage's keys) -> strategy=fsdp on 1 process   the universal path out of PP
-    pp=2 x tp=2 (DCP, stages of TP DTensors) -> dp_shard=4 on 4 ranks          DCP's own resharding, out of PP and TP
+    pp=2 x tp=2 (DCP, stages of TP DTensors) -> dp_shard=4 on 4 ranks         DCP reshards out of PP and TP
     the reference (one process, a Lightning file) -> pp=2 looped_bfs          a stage loads its share of it
 
 The LR is constant (a run's schedule then does not depend on its length) and low enough that reduction-order

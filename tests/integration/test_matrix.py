@@ -19,7 +19,10 @@ CASES = {
     "fsdp_mixed_precision_bf16": ["strategy=fsdp", "strategy.mixed_precision=bf16", "logger=many"],
     "deepspeed_bf16_mixed": ["strategy=deepspeed", "trainer.precision=bf16-mixed", "logger=none"],
     "ddp_sharded_bf16_true": ["strategy=ddp_sharded", "trainer.precision=bf16-true"],
-    "ddp_bf16_mixed": ["strategy=ddp", "trainer.precision=bf16-mixed", "logger=[]"],
+    # built on the meta device, materialized where the offloaded shards live (on a GPU: only buffers move to it)
+    "fsdp_cpu_offload_meta_init": ["strategy=fsdp", "strategy.cpu_offload=true", "strategy.meta_init=true"],
+    # fused AdamW (the GPU default) clipped under bf16-mixed, which Lightning alone refuses
+    "ddp_bf16_mixed": ["strategy=ddp", "trainer.precision=bf16-mixed", "optimizer.fused=true", "logger=[]"],
 }
 COMMON = [
     "trainer.max_steps=3",

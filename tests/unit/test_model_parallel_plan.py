@@ -86,6 +86,6 @@ def test_inference_sees_full_logits_and_a_full_copy_generates_alike(mesh):
         logits = FullLogits(model)(x)
         assert not isinstance(logits, DTensor)
         torch.testing.assert_close(logits, plain(x))
-        copy = full_copy(model, Llama)
+        copy = full_copy(model, Llama, torch.device("cpu"))
         assert not any(isinstance(p, DTensor) for p in copy.parameters())
         torch.testing.assert_close(copy(x), plain(x))

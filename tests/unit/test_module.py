@@ -142,3 +142,30 @@ def test_model_presets_validate_and_have_the_documented_size(preset):
 def test_strategy_that_cannot_run_on_the_accelerator(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(CONF_DIR, "train", overrides)
+
+
+def test_adamw_is_fused_unless_fp16s_loss_scaler_unscales_after_clipping(monkeypatch):
+    """fp16-mixed: a fused AdamW unscales inside its step, after Lightning clipped the still-scaled gradients, so
+    the GPU default falls back to foreach and an explicit fused=true is refused in one line. (bf16-mixed clips a
+    fused AdamW: tests/integration/test_matrix.py's ddp_bf16_mixed case.)"""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from parallama.parallel.strategies.ddp import SingleDevice
+
+    trainer = SimpleNamespace(gradient_clip_val=1.0)
+    monkeypatch.setattr(
+        SingleDevice, "lightning_module", property(lambda self: SimpleNamespace(trainer=trainer))
+    )
+    monkeypatch.setattr(SingleDevice, "root_device", property(lambda self: torch.device("cuda")))
+    strategy = SingleDevice()
+    groups = lambda: [{"params": [torch.nn.Parameter(torch.zeros(2))]}]  # noqa: E731
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy.make_optimizer(groups(), fused=None, lr=1e-3).defaults["fused"]
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    assert not strategy.make_optimizer(groups(), fused=None, lr=1e-3).defaults["fused"]
+    with pytest.raises(ConfigError, match=r"^optimizer.fused=true with trainer.precision=16-mixed .*; set "):
+        strategy.make_optimizer(groups(), fused=True, lr=1e-3)
+    trainer.gradient_clip_val = None
+    assert strategy.make_optimizer(groups(), fused=True, lr=1e-3).defaults["fused"]

@@ -78,6 +78,7 @@ class DownstreamEval(Callback):
             model,
             Tokenizer.from_str(pl_module.tokenizer_json),
             batch_size=self.batch_size,
+            device=pl_module.parallelism.root_device,
             dp_ranks=ranks,
             forward_context=trainer.precision_plugin.forward_context,
         )

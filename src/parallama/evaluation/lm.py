@@ -47,7 +47,7 @@ class ParallamaLM(TemplateLM):
         batch_size: int = 16,
         max_gen_toks: int = 256,
         add_bos_token: bool = True,
-        device: str | None = None,
+        device: str | torch.device | None = None,
         dp_ranks: list[int] | None = None,
         forward_context: Callable | None = None,
     ) -> None:
@@ -57,6 +57,8 @@ class ParallamaLM(TemplateLM):
 
             model, tokenizer = load_model(ckpt_path, model_dir)
             model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))).eval()
+        # where the inputs go: `device`, else the parameters' (which FSDP2's cpu_offload keeps on the CPU)
+        self._device = torch.device(device) if device else next(model.parameters()).device
         self.model, self.tokenizer = model, tokenizer
         self.ids = special_ids(tokenizer)
         self.batch_size = int(batch_size)
@@ -72,7 +74,7 @@ class ParallamaLM(TemplateLM):
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._device
 
     @property
     def eot_token_id(self) -> int:

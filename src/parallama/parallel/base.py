@@ -20,12 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from types import MethodType
 from typing import ClassVar
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
+from parallama.errors import ConfigError
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import ParallelizeOptions
 
@@ -103,9 +106,26 @@ class Parallelism:
         return model
 
     def make_optimizer(self, groups: list[dict], *, fused: bool | None, **kwargs) -> torch.optim.Optimizer:
+        """AdamW; fused (one kernel for all parameters) by default on GPU, except under fp16's loss scaler: a fused
+        step unscales the gradients itself, after Lightning would have clipped them still scaled."""
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
         if fused is None:
-            fused = self.root_device.type == "cuda"
+            fused = self.root_device.type == "cuda" and not scaled
+        elif fused and scaled and self.lightning_module.trainer.gradient_clip_val:
+            raise ConfigError(
+                "optimizer.fused=true with trainer.precision=16-mixed and trainer.gradient_clip_val: a fused AdamW "
+                "unscales fp16 gradients inside its step, after clipping; set optimizer.fused=null, "
+                "trainer.precision=bf16-mixed or trainer.gradient_clip_val=null"
+            )
         return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed has no loss scaler: the gradients are true ones when clipped, also for a fused AdamW (the
+            # default on GPU), which Lightning's MixedPrecision refuses to clip as it must under fp16's scaler.
+            plugin.clip_gradients = MethodType(Precision.clip_gradients, plugin)
 
     # --- checkpoints ------------------------------------------------------------------------------------
 
@@ -174,6 +194,7 @@ class OutsideATrainer(Parallelism):
     name = "none"
     world_size, global_rank = 1, 0
     root_device = torch.device("cpu")
+    precision_plugin = None  # no loss scaler
 
 
 def data_parallel(trainer) -> tuple[int, int]:

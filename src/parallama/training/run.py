@@ -130,9 +130,9 @@ def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
     if module.model is None:
         return None
     model = module.parallelism.inference_model(module.model)
-    device = next(model.parameters()).device
-    if device.type == "meta":
+    if next(model.parameters()).device.type == "meta":
         return None
+    device = module.parallelism.root_device  # not the parameters': FSDP2's cpu_offload keeps them on the CPU
     tokenizer, ids = datamodule.tokenizer, datamodule.special_ids
     prompt = [ids.bot, *tokenizer.encode(cfg.sample.prompt, add_special_tokens=False).ids]
     model.eval()

@@ -164,8 +164,8 @@ def apply_fsdp(
     if mixed_precision is not None:
         dtype = MIXED_PRECISION_DTYPES[mixed_precision]
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if cpu_offload:  # pinned host memory (faster copies) needs an accelerator; on CPU the shards stay put
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for i, block in enumerate(model.layers.values()):
         # The last block's parameters are needed again right away by backward: keep them gathered.
         reshard = reshard_after_forward and i < len(model.layers) - 1

@@ -108,9 +108,41 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     def parallelize(self, model, plan, **kwargs):
         model = super().parallelize(model, plan, **kwargs)
         if self.meta_init:
-            model.to_empty(device=self.root_device)
+            model.to_empty(device=self.offload_device)
             model.init_weights()
         return model
+
+    @property
+    def offload_device(self) -> torch.device:
+        """Where the sharded parameters live: the CPU under cpu_offload (FSDP2 copies each to the device when it
+        gathers it), else the rank's device."""
+        return torch.device("cpu") if self.cpu_offload else self.root_device
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole LightningModule to the device after configure_model. Under cpu_offload the
+        sharded model keeps its parameters on the CPU (FSDP2 refuses offloaded ones found on the GPU) and sends
+        only its buffers (the rotary tables); the rest of the module (the metrics) goes whole."""
+        if not self.cpu_offload:
+            return super().model_to_device()
+        from torch.distributed.fsdp import FSDPModule
+
+        for child in self.model.children():
+            if not any(isinstance(m, FSDPModule) for m in child.modules()):
+                child.to(self.root_device)
+                continue
+            for module in child.modules():
+                for name, buffer in list(module.named_buffers(recurse=False)):
+                    setattr(module, name, buffer.to(self.root_device))
+
+    def setup_optimizers(self, trainer) -> None:
+        """The optimizer must hold the sharded parameters. Under cpu_offload FSDP2 leaves the blocks' gathered ones
+        registered after the first forward (validate_before_training's), so every module is resharded first."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        super().setup_optimizers(trainer)
 
     # --- checkpoints ------------------------------------------------------------------------------------
 

@@ -185,7 +185,7 @@ class ModelParallel(FSDP2):
         if self.dims.tp == 1:
             return model
         if self.sequence_parallel:
-            return full_copy(model, self.lightning_module.spec.model)
+            return full_copy(model, self.lightning_module.spec.model, self.root_device)
         return FullLogits(model)
 
     # --- gradient clipping ------------------------------------------------------------------------------
@@ -256,12 +256,12 @@ class FullLogits(torch.nn.Module):
         return _full_tensor(self.model(*args, **kwargs))
 
 
-def full_copy(model: torch.nn.Module, build) -> torch.nn.Module:
-    """A plain model (`build(config)`) with `model`'s weights, on every rank (all ranks take part in the gather)."""
+def full_copy(model: torch.nn.Module, build, device: torch.device) -> torch.nn.Module:
+    """A plain model (`build(config)`) with `model`'s weights on `device`, on every rank (all ranks take part in the
+    gather)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    device = next(iter(state.values())).device
     with torch.device("meta"):
         copy = build(model.config)
     copy.to_empty(device=device)

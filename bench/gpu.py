@@ -217,10 +217,12 @@ def run(args) -> dict:
         seq_len, batch = PRESETS[name]
         label = f"{name} seq {seq_len} batch {batch}"
         results["presets"][name] = row(label, preset(name, byte_level().get_vocab_size()), seq_len, batch, {})
+    save(args.out, "gpu", info, results)  # after each section: a run cut short keeps what it measured
     seq_len, batch = PRESETS["llama_180m"]
     print(f"\nablation: llama_180m, seq {seq_len}, batch {batch}\n{header}")
     for label, variant in ABLATIONS.items():
         results["ablation"][label] = row(label, preset("llama_180m", 0), seq_len, batch, variant)
+    save(args.out, "gpu", info, results)
     print(f"\npeak memory of parallama-train, llama_180m seq {seq_len} batch {batch}, 1 device")
     print(f"{'profile':<20} {'measured GiB':>12} {'plan GiB':>9}  overrides")
     plans = plan_estimates(preset("llama_180m", 0), seq_len, batch)
@@ -232,6 +234,7 @@ def run(args) -> dict:
             "plan_estimate_bytes": estimated,
         }
         print(f"{name:<20} {_gib(measured):>12} {_gib(estimated):>9}  {' '.join(overrides)}")
+        save(args.out, "gpu", info, results)
     if torch.cuda.device_count() >= 2:
         from types import SimpleNamespace
 

@@ -100,6 +100,11 @@ class Pipeline:
                 local["position_ids"] = local["position_ids"].expand(labels.shape[0], -1)
             self._denominator = count.clamp(min=1) * accumulate / cp
             kwargs = {k: local[k] for k in BATCH_KWARGS if local.get(k) is not None}
+            if "position_ids" not in kwargs:
+                # Every stage gets the rotary positions: under sequence parallel a later stage's input is its tp
+                # rank's part of the sequence, whose length is not the sample's.
+                rows, length = labels.shape
+                kwargs["position_ids"] = torch.arange(length, device=labels.device).expand(rows, -1)
             args = (local["input_ids"],) if self.has_first else ()
             losses: list[Tensor] | None = [] if self.has_last else None
             run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)

@@ -71,6 +71,9 @@ def test_grid_jobs_run_at_once_each_with_its_own_run(grid):
         assert client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
         assert (job / "job.out").stat().st_size > 0  # jobs at once print to their own files
     assert wandb_run(first)["id"] != wandb_run(second)["id"]
+    # each job pinned itself to the core the launcher gave it (the process's affinity, as it logged it)
+    assert "pinned to CPU cores 0\n" in (first / "job.out").read_text()
+    assert "pinned to CPU cores 1\n" in (second / "job.out").read_text()
 
 
 # 4 trials, 2 at a time: trials 0 and 1 (enqueued, lr 1e-2 and 3e-2, both learn) finish first; trial 2 (enqueued,

@@ -107,6 +107,13 @@ def pin_to_job_cores() -> None:
         os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
 
 
+def pinned_cores() -> str | None:
+    """The cores this process runs on, where a sweep job pinned it ("0,1"); None elsewhere."""
+    if not os.environ.get(JOB_CORES_ENV):
+        return None
+    return ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
+
+
 class JobReturnFile(Callback):
     """A job that a sweep's launcher started in a process of its own hands its return value (the optimized
     metric) back through the file the launcher named in JOB_RETURN_ENV."""

@@ -44,7 +44,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
-    from parallama.runtime.launch import needs_launch, start_ranks
+    from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
 
@@ -102,10 +102,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
                 "model/flops_per_token": module.config.flops_per_token(cfg.data.seq_len),
             }
         )
+    cores = pinned_cores()
     log.info(
         f"[rank {trainer.global_rank}/{trainer.world_size}, local rank {trainer.local_rank}] "
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
-        f"lr {module.hparams.optimizer['lr']:g}"
+        f"lr {module.hparams.optimizer['lr']:g}" + (f", pinned to CPU cores {cores}" if cores else "")
     )
     faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:

@@ -8,6 +8,9 @@ against, for 3 optimizer steps with gradient clipping on (the norm over both sta
     1f1b on pp=2 x dp_shard=2 (4 ranks x 4: FSDP2 inside each stage)
     1f1b on pp=2 x tp=2 + sequence parallel (4 ranks x 8: TP inside each stage, the activations sent between
         stages are each tp rank's part of the sequence, the loss on the last stage's vocab-sharded logits)
+    the zero-bubble schedules (weight gradients deferred): interleaved_zb (2 x 8, 2 stages per rank, 4
+        microbatches), zbv on pp=2 x dp_shard=2 (4 x 4; V-shaped: rank 0 holds the first and the last stage),
+        dualpipev (2 x 8, 4 microbatches; its forward and backward overlap)
 
 the same global batch 8: weights and AdamW moments after 3 steps (to 1e-5), val/loss at every validation and
 train/loss at every step (metrics.csv, written by rank 0, which holds the first stage: its loss is the last
@@ -17,7 +20,7 @@ eval()) and samples at the end (the model gathered from the stages).
 Resume: from step 3 to step 6, each equal to the reference's step 6 (weights and moments to 1e-5, counters,
 the data position's running hash):
 
-    interleaved_1f1b (DCP, each stage's keys) -> strategy=fsdp on 1 process   the universal path out of PP
+    zbv x dp_shard=2 (DCP, each stage's keys) -> strategy=fsdp on 1 process  the universal path out of PP
     pp=2 x tp=2 + SP (DCP, stages of TP DTensors) -> dp_shard=4 on 4 ranks    DCP reshards out of PP and TP
     the reference (one process, a Lightning file) -> pp=2 looped_bfs          a stage loads its share of it
         (built on the meta device: meta_init=true)
@@ -67,9 +70,22 @@ SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains
     ),
     "1f1b_fsdp": ({"pp": 2, "dp_shard": 2}, 4, ["strategy.pp_schedule=1f1b"]),
     "1f1b_tp_sp": ({"pp": 2, "tp": 2}, 8, ["strategy.pp_schedule=1f1b", "strategy.sequence_parallel=true"]),
+    # zero-bubble: the weight gradients after the input gradients, FSDP's parameters kept gathered for them
+    "interleaved_zb": (
+        {"pp": 2},
+        8,
+        [
+            "strategy.pp_schedule=interleaved_zb",
+            "strategy.pp_stages_per_rank=2",
+            "strategy.pp_microbatches=4",
+        ],
+    ),
+    # V-shaped: rank 0 holds the first and the last stage (the loss comes from it), eval runs forward actions only
+    "zbv_fsdp": ({"pp": 2, "dp_shard": 2}, 4, ["strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=2"]),
+    "dualpipev": ({"pp": 2}, 8, ["strategy.pp_schedule=dualpipev", "strategy.pp_stages_per_rank=2"]),
 }
 RESUMES = {  # name: (source run, ranks, overrides, how it loads)
-    "pp_to_fsdp1": ("interleaved_1f1b", 1, ["strategy=fsdp", "data.batch_size=8"], "universal"),
+    "pp_to_fsdp1": ("zbv_fsdp", 1, ["strategy=fsdp", "data.batch_size=8"], "universal"),
     "pp_tp_to_dp_shard4": ("1f1b_tp_sp", 4, [MP, "strategy.dp_shard=4", "data.batch_size=2"], "native"),
     "file_to_pp": (
         "ref",

@@ -11,7 +11,7 @@ from parallama.runtime import compat
 def test_every_internal_is_where_compat_expects_it():
     compat.check_internals(deepspeed=True)
     internals = compat.INTERNALS + compat.DEEPSPEED_INTERNALS
-    assert len(internals) <= 7
+    assert len(internals) <= 8  # a new one is a decision: say why in compat.py
     assert all(i.why and i.waits_for and i.upstream and i.package in compat.TESTED for i in internals)
 
 

@@ -15,6 +15,7 @@ from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
 from parallama.models.llama.parallelize import pipeline_split, stage_layers
+from parallama.parallel.options import PipelineOptions
 
 
 def tiny(layers: int, vocab: int = 64, **kw) -> Llama:
@@ -98,8 +99,21 @@ def test_too_few_layers_or_tied_embeddings_are_one_line():
 PP = ["strategy=model_parallel", "trainer.devices=2", "strategy.pp=2", "data.batch_size=8"]
 BAD = [  # (overrides, the one line)
     (
-        ["strategy.pp_schedule=interleaved_zero_bubble"],
-        "strategy.pp_schedule='interleaved_zero_bubble' is not valid; use one of 'gpipe', '1f1b', 'interleaved_1f1b'",
+        ["strategy.pp_schedule=zero_bubble"],
+        "strategy.pp_schedule='zero_bubble' is not valid; use one of 'gpipe', '1f1b', 'interleaved_1f1b'",
+    ),
+    (
+        ["model.num_hidden_layers=6", "strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=3"],
+        "strategy.pp_schedule=zbv places exactly 2 stages on each rank (a V), but strategy.pp_stages_per_rank=3",
+    ),
+    (
+        [
+            "strategy.pp_schedule=dualpipev",
+            "strategy.pp_stages_per_rank=2",
+            "model.num_hidden_layers=4",
+            "strategy.pp_microbatches=2",
+        ],
+        "strategy.pp_microbatches=2: strategy.pp_schedule=dualpipev needs at least 4 (the stages) microbatches",
     ),
     (
         ["strategy.pp_stages_per_rank=2"],
@@ -159,3 +173,25 @@ def test_good_pipeline_settings_pass():
             "strategy.pp_microbatches=4",
         ],
     )
+    # V-shaped: no rounds of pp microbatches (5 microbatches of 2 rows on 2 ranks)
+    v = [*PP, "model.num_hidden_layers=4", "strategy.pp_stages_per_rank=2", "strategy.pp_microbatches=5"]
+    preflight(CONF_DIR, "train", [*v, "strategy.pp_schedule=zbv", "data.batch_size=10"])
+
+
+@pytest.mark.parametrize(
+    "schedule,per_rank,want",
+    [
+        ("1f1b", 1, {0: [0], 1: [1], 2: [2]}),
+        ("interleaved_zb", 2, {0: [0, 3], 1: [1, 4], 2: [2, 5]}),  # looped
+        ("zbv", 2, {0: [0, 5], 1: [1, 4], 2: [2, 3]}),  # a V: the first and the last stage on rank 0
+        ("dualpipev", 2, {0: [0, 5], 1: [1, 4], 2: [2, 3]}),
+    ],
+)
+def test_each_schedule_places_its_stages_on_the_ranks_torch_expects(schedule, per_rank, want):
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    options = PipelineOptions(schedule, 6, per_rank)
+    assert {r: options.stage_ids(r, 3) for r in range(3)} == want
+    style = "v" if schedule in ("zbv", "dualpipev") else "loop"
+    torch_ranks = generate_stage_to_rank_mapping(3, 3 * per_rank, style=style)
+    assert {s: options.stage_rank(s, 3) for s in range(3 * per_rank)} == torch_ranks

@@ -94,6 +94,24 @@ def test_pp_holds_half_the_layers_and_its_micro_batches_in_flight():
     assert f1b.activations < no_pp.activations and base < no_pp.activations
 
 
+def test_zero_bubble_schedules_keep_the_stage_gathered_and_1f1b_s_micro_batches_in_flight():
+    c = LLAMA3_70B
+    sizes = dict(dp_shard=4, tp=8, pp=2)
+    f1b, zbv = mem(c, layout(**sizes)), mem(c, layout(schedule="zbv", **sizes))
+    head_and_norm = c.vocab_size * c.hidden_size // 8 + c.hidden_size  # the last stage's
+    matmuls_and_norms = (stage_params(c, ParallelDims(tp=8, pp=2)) - head_and_norm) // 40
+    assert zbv.gathered - f1b.gathered == 38 * matmuls_and_norms * 2  # 40 blocks gathered in bf16, not 2
+    assert (zbv.params, zbv.grads, zbv.optim, zbv.activations) == (
+        f1b.params,
+        f1b.grads,
+        f1b.optim,
+        f1b.activations,
+    )
+    assert in_flight(layout(schedule="zbv", dp_shard=1, pp=4, microbatches=8)) == 4
+    assert in_flight(layout(schedule="dualpipev", dp_shard=1, pp=4, microbatches=8)) == 5
+    assert in_flight(layout(schedule="interleaved_zb", dp_shard=1, pp=2)) == 3
+
+
 def test_cp_halves_activations_and_shards_states_with_dp_shard():
     c = LLAMA3_8B
     one, two = mem(c, layout(dp_shard=1, tp=2)), mem(c, layout(dp_shard=1, tp=2, cp=2))

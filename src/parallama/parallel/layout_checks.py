@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from parallama.errors import ConfigError
 from parallama.parallel.dims import dims_of_config
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-from parallama.parallel.options import SINGLE_STAGE
+from parallama.parallel.options import SINGLE_STAGE, V_SHAPED
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -50,6 +50,11 @@ def _check_pipeline(cfg: DictConfig, pp: int) -> None:
             f"strategy.pp_schedule={schedule} needs strategy.pp_stages_per_rank >= 2 (it is {per_rank}); "
             "or use gpipe or 1f1b"
         )
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ConfigError(
+            f"strategy.pp_schedule={schedule} places exactly 2 stages on each rank (a V), but "
+            f"strategy.pp_stages_per_rank={per_rank}; set it to 2"
+        )
     stages = pp * per_rank
     if model.num_hidden_layers < stages:
         raise ConfigError(
@@ -74,8 +79,12 @@ def _check_pipeline(cfg: DictConfig, pp: int) -> None:
         )
     if schedule == "1f1b" and microbatches < pp:
         raise ConfigError(f"{name}: strategy.pp_schedule=1f1b needs at least strategy.pp={pp} microbatches")
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ConfigError(
+            f"{name}: strategy.pp_schedule=dualpipev needs at least {stages} (the stages) microbatches"
+        )
     rounds = max(1, microbatches // pp)
-    if schedule not in SINGLE_STAGE and microbatches % rounds:
+    if schedule not in SINGLE_STAGE + V_SHAPED and microbatches % rounds:
         raise ConfigError(
             f"{name}: strategy.pp_schedule={schedule} needs a multiple of {rounds} microbatches "
             f"(microbatches // strategy.pp rounds); e.g. {pp * rounds}"

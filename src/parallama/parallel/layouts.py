@@ -10,7 +10,8 @@ bf16 compute copies):
   `PrepareModuleInput`, not Megatron's re-gather in backward), so they are never divided.
 - pp: a stage holds ceil(layers / pp) blocks and the embedding (first stage) or the final norm and head (last);
   the heaviest is counted. Activations: the first stage keeps every micro-batch in flight (GPipe: all
-  `pp_microbatches`; 1F1B: up to pp of them; interleaved 1F1B: 1 + (pp-1)/(pp x stages per rank) times that).
+  `pp_microbatches`; 1F1B and ZB-V: up to pp of them; interleaved 1F1B and interleaved zero-bubble: 1 + (pp-1)/(pp x
+  stages per rank) times that; DualPipeV: pp + 1). The zero-bubble schedules keep the stage's parameters gathered.
 - cp: the tokens of each sample (all activations), and, FSDP running over dp_shard x cp, the states too.
 - dp_shard (x cp): FSDP shards what a rank holds after tp and pp; dp_replicate does not divide anything.
 """
@@ -21,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from parallama.parallel.dims import ParallelDims
+from parallama.parallel.options import ZERO_BUBBLE
 from parallama.parallel.plan import FP32, Estimate, activation_bytes, state_bytes
 
 
@@ -74,9 +76,11 @@ def in_flight(layout: Layout) -> float:
     pp, n = layout.dims.pp, layout.microbatches
     if pp == 1 or layout.pp_schedule == "gpipe":
         return n
-    if layout.pp_schedule == "interleaved_1f1b":
+    if layout.pp_schedule in ("interleaved_1f1b", "interleaved_zb"):
         return min(pp, n) * (1 + (pp - 1) / (pp * layout.pp_stages_per_rank))
-    return min(pp, n)  # 1f1b
+    if layout.pp_schedule == "dualpipev":  # one more than ZB-V's, for the overlapped forward and backward
+        return min(pp + 1, n)
+    return min(pp, n)  # 1f1b; zbv (its two chunks together hold 1F1B's peak)
 
 
 def estimate_layout(
@@ -90,8 +94,10 @@ def estimate_layout(
     params, grads, optim = (-(-psi * b // shard) for b in per[:3])
     matmuls, norms = _block(c, dims.tp)
     layers = math.ceil(c.num_hidden_layers / dims.pp)
-    # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working")
-    gathered = (_root(c, dims) + min(2, layers) * (matmuls + norms)) * (per[3] or per[0])
+    # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working"); a
+    # zero-bubble schedule keeps the whole stage gathered from forward to backward
+    gathered_layers = layers if layout.pp_schedule in ZERO_BUBBLE and dims.pp > 1 else min(2, layers)
+    gathered = (_root(c, dims) + gathered_layers * (matmuls + norms)) * (per[3] or per[0])
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
     kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel)

@@ -26,17 +26,23 @@ class FSDPOptions:
 
 
 # strategy.pp_schedule -> torch.distributed.pipelining's schedule class. Single-stage schedules run one stage per
-# rank; the others run strategy.pp_stages_per_rank >= 2, stage s on pp rank s % pp. Not offered, as measured on
-# torch 2.13: the zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
-# match one process on plain stages but not under FSDP2, which strategy=model_parallel always applies (weights
-# 5e-2 off after 4 steps, gradients left unset on the last stage), and the V-shaped ones fail in eval().
+# rank; the others run strategy.pp_stages_per_rank >= 2: stage s on pp rank s % pp (looped), or for the V-shaped
+# ones exactly 2 per rank, rank r holding stages r and 2 pp - 1 - r (the first and the last stage on rank 0).
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
+V_SHAPED = ("zbv", "dualpipev")
+# Zero-bubble schedules split each backward into the input gradients (sent upstream at once) and the weight
+# gradients (computed later, filling the bubble). torch computes those against the parameters the forward used,
+# so the plan keeps each stage's FSDP parameters gathered from forward to backward (models/*/parallelize.py).
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class PipelineOptions:
 
     schedule: a key of SCHEDULES.
     microbatches: how many slices of the rank's batch go through the pipeline per step.
-    stages_per_rank: model chunks per pp rank (1 for the single-stage schedules, 2 or more for the others).
+    stages_per_rank: model chunks per pp rank (1 for the single-stage schedules, 2 for the V-shaped ones, 2 or more
+        for the others).
     """
 
     schedule: str = "1f1b"
@@ -53,8 +60,15 @@ class PipelineOptions:
     stages_per_rank: int = 1
 
     def stage_ids(self, pp_rank: int, pp: int) -> list[int]:
-        """The stages a pp rank holds, round-robin: rank r has r, r + pp, r + 2 pp, ..."""
+        """The stages a pp rank holds: round-robin, rank r has r, r + pp, r + 2 pp, ...; V-shaped, r and
+        2 pp - 1 - r."""
+        if self.schedule in V_SHAPED:
+            return [pp_rank, 2 * pp - 1 - pp_rank]
         return [pp_rank + s * pp for s in range(self.stages_per_rank)]
+
+    def stage_rank(self, stage: int, pp: int) -> int:
+        """The pp rank that holds `stage`."""
+        return next(r for r in range(pp) if stage in self.stage_ids(r, pp))
 
 
 @dataclass(frozen=True)

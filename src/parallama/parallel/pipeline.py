@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from parallama.parallel.context import sharded_batch
-from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, PipelineOptions
+from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
+from parallama.runtime.compat import forward_only
 
 BATCH_KWARGS = (
     "attention_mask",
@@ -46,7 +47,8 @@ class Pipeline:
         self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group) for i, m in stages]
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
-        self.last_rank = dist.get_world_size(group) - 1  # holds the last stage: its losses go to every rank
+        # holds the last stage: its losses go to every rank
+        self.last_rank = options.stage_rank(num_stages - 1, dist.get_world_size(group))
         schedule = getattr(pipelining, SCHEDULES[options.schedule])
         kwargs = {"n_microbatches": options.microbatches, "loss_fn": self._loss, "scale_grads": False}
         single = options.schedule in SINGLE_STAGE
@@ -81,7 +83,12 @@ class Pipeline:
         # Lightning evaluates under inference mode, whose tensors the stages' buffers must not become.
         with torch.inference_mode(False), torch.no_grad():
             batch = self._padded({k: v.clone() for k, v in batch.items()})
-            return self._run(batch, 1, self.schedule.eval, cp_mesh)
+            if self.options.schedule not in V_SHAPED:
+                return self._run(batch, 1, self.schedule.eval, cp_mesh)
+            # torch 2.13's V-shaped schedules fail in eval() (they hand the skipped backward's gradients between
+            # the two stages of a rank): the same schedule runs its forward actions only.
+            with forward_only(self.schedule):
+                return self._run(batch, 1, self.schedule.eval, cp_mesh)
 
     def _run(self, batch: dict, accumulate: int, run, cp_mesh=None) -> Tensor:
         """With `cp_mesh` the schedule (forward and backward) runs inside the ring-attention context on this cp

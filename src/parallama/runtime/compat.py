@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,19 @@ INTERNALS = [
         "torch's context_parallel supporting the CPU SDPA kernel",
         "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/tensor/experimental/_context_parallel/"
         "_attention.py",
+    ),
+    Internal(
+        "torch.distributed.pipelining.schedules",
+        (
+            "_PipelineScheduleRuntime.pipeline_order_with_comms",
+            "_ComputationType.FORWARD",
+            "_Action.sub_actions",
+        ),
+        "evaluating with a V-shaped pipeline schedule (zbv, dualpipev): its eval() fails in torch 2.13 (the two "
+        "stages of a rank hand each other the skipped backward's gradients, AssertionError \"can't steal_bwd_input "
+        "if this stage doesn't have backward\"); parallama runs the schedule's forward and send/recv actions only",
+        "the V-shaped schedules' eval() skipping backward actions",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/pipelining/schedules.py",
     ),
     Internal(
         "torch.distributed.device_mesh",
@@ -291,3 +305,36 @@ def enable_cpu_ring_attention() -> None:
 
     cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = forward
     cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = backward
+
+
+# --- pipeline parallel (parallel/pipeline.py) ----------------------------------------------------------------
+
+
+@contextmanager
+def forward_only(schedule):
+    """A pipeline schedule (a `_PipelineScheduleRuntime`) that runs only its forward computation and the
+    forward sends/receives, and its parameter gathers, while the context lasts: every rank's action list
+    filtered alike, so the sends still meet their receives."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Action
+
+    keep = {Action.FORWARD, Action.SEND_F, Action.RECV_F, Action.UNSHARD, Action.RESHARD}
+
+    def forward_actions(actions):
+        out = []
+        for action in actions:
+            if action is None:
+                continue
+            if action.computation_type == Action.OVERLAP_F_B:  # DualPipeV: a forward and a backward at once
+                out += [a for a in action.sub_actions if a.computation_type in keep]
+            elif action.computation_type in keep:
+                out.append(action)
+        return out
+
+    original = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {
+        rank: forward_actions(actions) for rank, actions in original.items()
+    }
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = original

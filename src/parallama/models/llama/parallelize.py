@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallama.errors import ConfigError
 from parallama.models.llama.model import Llama
-from parallama.parallel.options import ParallelizeOptions
+from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions
 
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -245,12 +245,19 @@ def pipeline_stage(model: Llama, layers: list[str], *, first: bool, last: bool) 
 def parallelize_pipeline(model: Llama, options: ParallelizeOptions) -> Llama:
     """Split `model` into this pp rank's stages (the rank's coordinate on the mesh's `pp` dimension), then apply
     the rest of the plan to each stage, as torchtitan's `pipeline_llm` does. Returns `model` pruned to the rank's
-    stages, with `pipeline_stages`: [(stage index, stage module)] for parallel.pipeline.Pipeline."""
+    stages, with `pipeline_stages`: [(stage index, stage module)] for parallel.pipeline.Pipeline.
+
+    A zero-bubble schedule computes a stage's weight gradients after its input gradients, against the parameters
+    its forward used: FSDP keeps them gathered from forward to backward there (reshard_after_forward=False, as
+    torchtitan does under any pipeline); resharded, the stage's root parameters would get no gradient."""
     pipeline, pp = options.pipeline, options.dims.pp
     ids = pipeline.stage_ids(options.mesh["pp"].get_local_rank(), pp)
     stages = pipeline_split(model, ids, pp * pipeline.stages_per_rank)
+    stage_options = replace(options, pipeline=None)
+    if options.fsdp is not None and pipeline.schedule in ZERO_BUBBLE:
+        stage_options = replace(stage_options, fsdp=replace(options.fsdp, reshard_after_forward=False))
     for stage in stages:
-        parallelize(stage, replace(options, pipeline=None))
+        parallelize(stage, stage_options)
     model.pipeline_stages = list(zip(ids, stages))
     return model
 

@@ -28,7 +28,7 @@ def job_dirs(cwd) -> list:
 def rank_lrs(job) -> dict[int, float]:
     """The peak lr each rank built its optimizer with, from the `[rank r/w, ...] ..., lr X` log lines."""
     text = "".join(log.read_text() for log in job.glob("*.log"))
-    return {int(r): float(lr) for r, lr in re.findall(r"\[rank (\d+)/\d+.*, lr (\S+)", text)}
+    return {int(r): float(lr) for r, lr in re.findall(r"\[rank (\d+)/\d+.*, lr ([^\s,]+)", text)}
 
 
 def peak_logged_lr(job) -> float:

@@ -38,13 +38,27 @@ LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world s
     "hsdp": dict(dp_replicate=2, dp_shard=2),
     "pp": dict(dp_shard=-1, pp=2),  # at 4 ranks: pp=2 x dp_shard=2 (FSDP inside each stage)
     "pp x tp": dict(dp_shard=1, pp=2, tp=2),
+    # zero-bubble, V-shaped: 2 stages per rank (rank 0 the first and the last), weight gradients deferred
+    "pp zbv": dict(dp_shard=-1, pp=2, pp_schedule="zbv"),
 }
-OPTIONS = ("sequence_parallel",)  # layout keys that are not mesh sizes
+OPTIONS = ("sequence_parallel", "pp_schedule")  # layout keys that are not mesh sizes
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
 
 
 def mesh_sizes(layout: dict) -> dict:
     return {k: v for k, v in layout.items() if k not in OPTIONS}
+
+
+def pipeline_options(layout: dict, dims: ParallelDims, args):
+    """As strategy=model_parallel: the layout's schedule (else --pp-schedule), one stage per pp rank for the
+    single-stage schedules and two for the others, by default one microbatch per stage; None without pp."""
+    from parallama.parallel.options import PipelineOptions
+
+    if dims.pp == 1:
+        return None
+    schedule = layout.get("pp_schedule", args.pp_schedule)
+    per_rank = 1 if schedule in SINGLE_STAGE else 2
+    return PipelineOptions(schedule, args.pp_microbatches or dims.pp * per_rank, per_rank)
 
 
 def collective_bytes(prof) -> dict[str, int]:
@@ -74,7 +88,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
     from parallama.models.llama.parallelize import parallelize
-    from parallama.parallel.options import FSDPOptions, ParallelizeOptions, PipelineOptions
+    from parallama.parallel.options import FSDPOptions, ParallelizeOptions
     from parallama.parallel.pipeline import Pipeline
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
 
@@ -89,8 +103,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     dims = ParallelDims.resolve(world, **mesh_sizes(layout))
     mesh = dims.build_mesh(device.type)
     tp = dims.tp > 1
-    # As strategy=model_parallel: one stage per pp rank, by default one microbatch per stage.
-    pp_options = PipelineOptions(args.pp_schedule, args.pp_microbatches or dims.pp) if dims.pp > 1 else None
+    pp_options = pipeline_options(layout, dims, args)
     torch.manual_seed(0)
     with device:
         model = Llama(LlamaConfig(**preset(args.model, 256)))
@@ -102,9 +115,13 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         loss_parallel=tp,
         pipeline=pp_options,
     )
-    model = parallelize(model, options)  # with pp: this rank's stage, and the model pruned to it
+    model = parallelize(model, options)  # with pp: this rank's stages, and the model pruned to them
     pp_group = mesh["pp"].get_group() if pp_options else None
-    pipeline = Pipeline(model.pipeline_stages, dims.pp, pp_options, pp_group, device) if pp_options else None
+    if pp_options:
+        stages = dims.pp * pp_options.stages_per_rank
+        pipeline = Pipeline(model.pipeline_stages, stages, pp_options, pp_group, device)
+    else:
+        pipeline = None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     per_rank = args.global_batch // dims.dp_size
     generator = torch.Generator().manual_seed(dims.dp_rank(rank))  # the pp and tp ranks of a batch: one seed
@@ -173,10 +190,10 @@ def run(args) -> dict:
     layouts = {n: LAYOUTS[n] for n in names if fits(LAYOUTS[n], args.world)}
     for name, layout in layouts.items():
         dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
-        rows, microbatches = args.global_batch // dims.dp_size, args.pp_microbatches or dims.pp
-        if dims.pp > 1 and rows % microbatches:
+        rows, pipeline = args.global_batch // dims.dp_size, pipeline_options(layout, dims, args)
+        if pipeline and rows % pipeline.microbatches:
             raise SystemExit(
-                f"nd: {name}'s {rows} rows per rank do not split into {microbatches} microbatches"
+                f"nd: {name}'s {rows} rows per rank do not split into {pipeline.microbatches} microbatches"
             )
     print(
         f"# nd: model={args.model} seq_len={args.seq_len} global batch={args.global_batch}, {args.world} ranks "

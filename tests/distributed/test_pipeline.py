@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
 from parallama.cli.generate import generate_text
+from parallama.parallel.options import ZERO_BUBBLE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -168,6 +169,8 @@ def assert_same_state(got, want, step: int) -> None:
 def test_each_schedule_trains_like_one_process(runs, name):
     tmp, log = runs["dir"], runs["log"][name]
     assert "Traceback" not in log and sample(log).strip()
+    schedule = next(a.split("=")[1] for a in SCHEDULES[name][2] if a.startswith("strategy.pp_schedule="))
+    assert ("reshard_after_forward is taken as false" in log) == (schedule in ZERO_BUBBLE)
     got = universal.read(tmp / name / "checkpoints" / "last.ckpt")  # every stage's keys, under their names
     want = universal.read(tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt")
     assert_same_state(got, want, STEPS)

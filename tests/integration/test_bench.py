@@ -81,12 +81,13 @@ def test_gpu_without_cuda_exits_cleanly(capsys):
 
 @pytest.mark.multiprocess
 def test_nd(capsys, tmp_path, cache):
-    """Three layouts that take different paths on 2 gloo ranks: FSDP's all-gathers, TP's DTensor all-reduces, the
-    pipeline's sends between its two stages."""
+    """Four layouts that take different paths on 2 gloo ranks: FSDP's all-gathers, TP's DTensor all-reduces, the
+    pipeline's sends between its two stages, and between a V's four (zbv)."""
     tiny = ["--warmup", "1", "--steps", "1", "--repeats", "1", "--global-batch", "4", "--seq-len", "32"]
-    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", "fsdp", "tp", "pp", process=True)
+    names = ("fsdp", "tp", "pp", "pp zbv")
+    text, result = run(capsys, tmp_path, cache, "nd", *tiny, "--layouts", *names, process=True)
     layouts = result["layouts"]
-    assert set(layouts) == {"fsdp", "tp", "pp"} and layouts["tp"]["dims"]["tp"] == 2
+    assert set(layouts) == set(names) and layouts["tp"]["dims"]["tp"] == 2
     assert layouts["fsdp"]["step_ratio_to_fsdp"] == 1.0 and layouts["tp"]["step_ratio_to_fsdp"] > 0
     assert layouts["fsdp"]["collective_mb_per_step"]["all_gather"] > 0  # the sharded weights gathered
     assert layouts["tp"]["collective_mb_per_step"]["all_reduce"] > 0  # the row-wise layers' partial sums
@@ -95,4 +96,6 @@ def test_nd(capsys, tmp_path, cache):
     assert layouts["pp"]["dims"]["pp"] == 2 and "recv" not in pp and "all_gather" not in pp
     # 2 microbatches of (2, 32, 128) fp32 activations forward (rank 0), their gradients backward (rank 1)
     assert pp["send"] == pytest.approx(2 * 2 * (2 * 32 * 128 * 4) / 2 / 1e6)
+    # the V crosses between the ranks twice (stages 0 -> 1 and 2 -> 3), 4 microbatches of half the rows
+    assert layouts["pp zbv"]["collective_mb_per_step"]["send"] == pytest.approx(2 * pp["send"])
     assert "layout" in text and "/ fsdp" in text and "pp schedule 1f1b" in text

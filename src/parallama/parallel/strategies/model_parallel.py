@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 
 from parallama.parallel.context import ContextParallelStep
-from parallama.parallel.options import ParallelizeOptions, PipelineOptions
+from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions
 from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
 
@@ -118,6 +118,13 @@ class ModelParallel(FSDP2):
             from parallama.parallel.pipeline import Pipeline
 
             options, pp_group = self.pipeline_options(), self.mesh["pp"].get_group()
+            if options.schedule in ZERO_BUBBLE and self.reshard_after_forward:
+                from lightning.pytorch.utilities import rank_zero_info
+
+                rank_zero_info(
+                    f"strategy.pp_schedule={options.schedule} defers weight gradients: each stage's parameters "
+                    "stay gathered from forward to backward (strategy.reshard_after_forward is taken as false)"
+                )
             stages = self.dims.pp * options.stages_per_rank
             self.pipeline = Pipeline(model.pipeline_stages, stages, options, pp_group, self.root_device)
         return model

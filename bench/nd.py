@@ -52,12 +52,12 @@ def mesh_sizes(layout: dict) -> dict:
 def pipeline_options(layout: dict, dims: ParallelDims, args):
     """As strategy=model_parallel: the layout's schedule (else --pp-schedule), one stage per pp rank for the
     single-stage schedules and two for the others, by default one microbatch per stage; None without pp."""
-    from parallama.parallel.options import PipelineOptions
+    from parallama.parallel.options import PipelineOptions, stages_per_rank
 
     if dims.pp == 1:
         return None
     schedule = layout.get("pp_schedule", args.pp_schedule)
-    per_rank = 1 if schedule in SINGLE_STAGE else 2
+    per_rank = stages_per_rank(schedule, None)
     return PipelineOptions(schedule, args.pp_microbatches or dims.pp * per_rank, per_rank)
 
 

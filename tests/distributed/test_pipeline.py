@@ -83,7 +83,7 @@ SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains
     ),
     # V-shaped: rank 0 holds the first and the last stage (the loss comes from it), eval runs forward actions only
     "zbv_fsdp": ({"pp": 2, "dp_shard": 2}, 4, ["strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=2"]),
-    "dualpipev": ({"pp": 2}, 8, ["strategy.pp_schedule=dualpipev", "strategy.pp_stages_per_rank=2"]),
+    "dualpipev": ({"pp": 2}, 8, ["strategy.pp_schedule=dualpipev"]),  # pp_stages_per_rank=null: the V's 2
 }
 RESUMES = {  # name: (source run, ranks, overrides, how it loads)
     "pp_to_fsdp1": ("zbv_fsdp", 1, ["strategy=fsdp", "data.batch_size=8"], "universal"),

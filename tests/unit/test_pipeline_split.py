@@ -109,7 +109,6 @@ BAD = [  # (overrides, the one line)
     (
         [
             "strategy.pp_schedule=dualpipev",
-            "strategy.pp_stages_per_rank=2",
             "model.num_hidden_layers=4",
             "strategy.pp_microbatches=2",
         ],
@@ -120,11 +119,16 @@ BAD = [  # (overrides, the one line)
         "strategy.pp_schedule=1f1b runs one stage per rank, but strategy.pp_stages_per_rank=2; set it to 1 or use",
     ),
     (
-        ["strategy.pp_schedule=interleaved_1f1b"],
-        "strategy.pp_schedule=interleaved_1f1b needs strategy.pp_stages_per_rank >= 2 (it is 1)",
+        ["strategy.pp_schedule=interleaved_1f1b", "strategy.pp_stages_per_rank=1"],
+        "strategy.pp_schedule=interleaved_1f1b needs strategy.pp_stages_per_rank >= 2 (it is 1; null is 2 for it)",
     ),
     (
-        ["model.num_hidden_layers=3", "strategy.pp_schedule=looped_bfs", "strategy.pp_stages_per_rank=2"],
+        ["strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=1"],
+        "strategy.pp_schedule=zbv places exactly 2 stages on each rank (a V), but strategy.pp_stages_per_rank=1",
+    ),
+    (["strategy.pp_stages_per_rank=0"], "strategy.pp_stages_per_rank=0 is not valid"),
+    (
+        ["model.num_hidden_layers=3", "strategy.pp_schedule=looped_bfs"],  # null: 2 stages per rank
         "strategy.pp=2 x strategy.pp_stages_per_rank=2 = 4 pipeline stages, but model.num_hidden_layers=3",
     ),
     (["strategy.pp_microbatches=3"], "strategy.pp_microbatches=3 must divide data.batch_size=8"),

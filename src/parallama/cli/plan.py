@@ -16,6 +16,7 @@ from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node
 from parallama.parallel.layouts import Layout, estimate_layout, search
+from parallama.parallel.options import stages_per_rank
 from parallama.parallel.plan import (
     FP32,
     GIB,
@@ -121,7 +122,7 @@ def configured_layout(cfg) -> Layout:
         sequence_parallel=bool(s.get("sequence_parallel")),
         pp_schedule=s.get("pp_schedule", "1f1b"),
         pp_microbatches=s.get("pp_microbatches"),
-        pp_stages_per_rank=s.get("pp_stages_per_rank", 1),
+        pp_stages_per_rank=stages_per_rank(s.get("pp_schedule", "1f1b"), s.get("pp_stages_per_rank")),
     )
 
 

@@ -151,7 +151,7 @@ RULES = {  # checked when the key exists (strategy keys only for the strategies 
     "strategy.sequence_parallel": Rule(bool),
     "strategy.pp_schedule": Rule(str, choices=tuple(PIPELINE_SCHEDULES)),
     "strategy.pp_microbatches": Rule(int, 1, allow=(None,)),
-    "strategy.pp_stages_per_rank": Rule(int, 1),
+    "strategy.pp_stages_per_rank": Rule(int, 1, allow=(None,)),
 }
 
 

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from parallama.errors import ConfigError
 from parallama.parallel.dims import dims_of_config
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-from parallama.parallel.options import SINGLE_STAGE, V_SHAPED
+from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, stages_per_rank
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -38,22 +38,23 @@ def _check_pipeline(cfg: DictConfig, pp: int) -> None:
     """The schedule against the stages per rank, the model's layers against the stages, the microbatches against
     the batch and the schedule (torch's own limits, said before any work)."""
     strategy, model = cfg.strategy, cfg.model
-    schedule, per_rank = strategy.pp_schedule, strategy.pp_stages_per_rank
+    schedule = strategy.pp_schedule
+    per_rank = stages_per_rank(schedule, strategy.pp_stages_per_rank)
     several = ", ".join(s for s in PIPELINE_SCHEDULES if s not in SINGLE_STAGE)
     if schedule in SINGLE_STAGE and per_rank != 1:
         raise ConfigError(
             f"strategy.pp_schedule={schedule} runs one stage per rank, but strategy.pp_stages_per_rank={per_rank}; "
             f"set it to 1 or use a schedule for several ({several})"
         )
-    if schedule not in SINGLE_STAGE and per_rank < 2:
-        raise ConfigError(
-            f"strategy.pp_schedule={schedule} needs strategy.pp_stages_per_rank >= 2 (it is {per_rank}); "
-            "or use gpipe or 1f1b"
-        )
     if schedule in V_SHAPED and per_rank != 2:
         raise ConfigError(
             f"strategy.pp_schedule={schedule} places exactly 2 stages on each rank (a V), but "
             f"strategy.pp_stages_per_rank={per_rank}; set it to 2"
+        )
+    if schedule not in SINGLE_STAGE and per_rank < 2:
+        raise ConfigError(
+            f"strategy.pp_schedule={schedule} needs strategy.pp_stages_per_rank >= 2 (it is {per_rank}; null "
+            "is 2 for it), or use gpipe or 1f1b"
         )
     stages = pp * per_rank
     if model.num_hidden_layers < stages:

@@ -45,6 +45,13 @@ V_SHAPED = ("zbv", "dualpipev")
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    """strategy.pp_stages_per_rank, where null is the schedule's own: 1 for gpipe and 1f1b, 2 for the others."""
+    if configured is not None:
+        return configured
+    return 1 if schedule in SINGLE_STAGE else 2
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """Pipeline parallelism over the mesh's `pp` dimension (parallel/pipeline.py runs the schedule).

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 
 from parallama.parallel.context import ContextParallelStep
-from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions
+from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
 from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
 
@@ -61,7 +61,7 @@ class ModelParallel(FSDP2):
         sequence_parallel: bool = False,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
-        pp_stages_per_rank: int = 1,
+        pp_stages_per_rank: int | None = None,
         reshard_after_forward: bool = True,
         mixed_precision: Literal["bf16", "fp16"] | None = None,
         cpu_offload: bool = False,
@@ -83,7 +83,7 @@ class ModelParallel(FSDP2):
         self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
             pp_schedule,
             pp_microbatches,
-            pp_stages_per_rank,
+            stages_per_rank(pp_schedule, pp_stages_per_rank),
         )
         self.pipeline = None  # parallel.pipeline.Pipeline, built with the model when pp > 1
 

@@ -2,7 +2,12 @@
 
 tests/legacy/<format>/ holds what the code of tests/legacy/make_checkpoints.py's LEGACY_COMMIT wrote (a single
 file, an FSDP DCP folder, a DeepSpeed ZeRO-2 folder) and how that old code continued it: the new code must
-continue each one to the same weights (bit for bit), the same loss at every step and the same tokens seen.
+continue each one to the same weights, the same loss at every step and the same tokens seen.
+
+Bit for bit only on a machine like the one that wrote them: CPU kernels round differently across instruction
+sets (on an AVX-512 EPYC the continuation differs from the stored one by 1-2 float32 ulps, 3.7e-9 to 7.5e-9 on
+weights near 0.03). So weights are compared to ATOL, ~25 ulps: a checkpoint read wrongly (a lost optimizer moment,
+a shifted data position, another schedule) moves them by 1e-5 or more in these steps.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from safetensors.torch import load_file
 from parallama.cli.export import main as export_hf
 
 LEGACY = Path(__file__).resolve().parents[1] / "legacy"
+ATOL = 1e-7
 
 
 @pytest.mark.parametrize(
@@ -54,10 +60,9 @@ def test_a_pre_reshape_checkpoint_resumes_exactly(name, tmp_path, data_cache):
     )
     assert actual.keys() == expected.keys()
     for key in expected:
-        assert torch.equal(actual[key], expected[key]), (
-            f"{key}: max diff {(actual[key] - expected[key]).abs().max()}"
-        )
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=ATOL, msg=key)
     with open(run_dir / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    assert {r["step"]: float(r["train/loss"]) for r in rows} == reference["train_loss"]
+    losses = {r["step"]: float(r["train/loss"]) for r in rows}
+    assert losses == pytest.approx(reference["train_loss"], rel=0, abs=1e-6)
     assert float(rows[-1]["train/tokens_seen"]) == reference["tokens_seen"]

@@ -80,7 +80,6 @@ def collective_bytes(prof) -> dict[str, int]:
 
 def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.profiler import ProfilerActivity, profile
@@ -91,6 +90,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from parallama.parallel.options import FSDPOptions, ParallelizeOptions
     from parallama.parallel.pipeline import Pipeline
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
+    from parallama.training.loss import CrossEntropy
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -117,9 +117,10 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     )
     model = parallelize(model, options)  # with pp: this rank's stages, and the model pruned to them
     pp_group = mesh["pp"].get_group() if pp_options else None
+    loss_fn = CrossEntropy()  # the recipe's default loss
     if pp_options:
         stages = dims.pp * pp_options.stages_per_rank
-        pipeline = Pipeline(model.pipeline_stages, stages, pp_options, pp_group, device)
+        pipeline = Pipeline(model.pipeline_stages, stages, pp_options, pp_group, device, loss_fn)
     else:
         pipeline = None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -136,7 +137,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
                 pipeline.add_grads()
             else:
                 logits = model(ids[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+                loss = loss_fn(logits, ids[:, 1:])
                 loss.backward()
         clip_grad_norm_(model.parameters(), 1.0, group=pp_group)
         optimizer.step()

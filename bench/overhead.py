@@ -19,13 +19,21 @@ import torch.nn.functional as F
 
 from bench.common import ROOT, datamodule, machine, median, preset, print_machine, quiet, save, sync
 
-OPTIMIZER = {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1, "fused": None}
+OPTIMIZER = {
+    "_target_": "torch.optim.AdamW",
+    "lr": 3e-3,
+    "betas": [0.9, 0.99],
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "fused": None,
+}
 CLIP = 1.0
 
 
 def scheduler(args) -> dict:
     """Warmup over the first tenth of the run, then cosine: the LR changes every step in both arms."""
     return {
+        "_target_": "parallama.training.schedules.WarmupCosine",
         "warmup_steps": max(1, (args.warmup + args.steps) // 10),
         "warmup_start_factor": 0.1,
         "min_lr_ratio": 0.1,
@@ -48,7 +56,7 @@ def adamw(model, device: torch.device, **kw) -> torch.optim.AdamW:
 def train_loop(model, loader, args, device: torch.device) -> tuple[float, float]:
     """The source article's loop: forward, loss, backward, clip_grad_norm_, step, LambdaLR step, zero_grad.
     Returns (steps/s after `args.warmup` steps, final loss)."""
-    from parallama.training.module import warmup_cosine
+    from parallama.training.schedules import warmup_cosine
 
     opt, total, s = adamw(model, device), args.warmup + args.steps, scheduler(args)
     lr_lambda = partial(

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from parallama import CONF_DIR
 
 GROUPS = [
-    "model", "tokenizer", "data", "data/source", "paths", "strategy", "trainer", "callbacks", "logger", "launcher",
+    "model", "optimizer", "scheduler", "loss", "tokenizer", "data", "data/source", "paths", "strategy", "trainer", "callbacks", "logger", "launcher",
     "experiment", "debug", "hparams_search", "pruner",
 ]  # fmt: skip
 

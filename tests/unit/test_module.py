@@ -12,7 +12,8 @@ from parallama import CONF_DIR
 from parallama.config.checks import check_config
 from parallama.config.compose import preflight
 from parallama.errors import ConfigError
-from parallama.training.module import CausalLM, warmup_cosine
+from parallama.training.module import CausalLM
+from parallama.training.schedules import warmup_cosine
 
 SCHED = dict(warmup_steps=10, total_steps=110, start_factor=0.1, min_ratio=0.0)
 
@@ -33,8 +34,15 @@ def tiny_module(**overrides) -> CausalLM:
     model = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
     )
-    optimizer = dict(lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None)
-    scheduler = dict(warmup_steps=2, warmup_start_factor=0.1, min_lr_ratio=0.0)
+    optimizer = dict(
+        _target_="torch.optim.AdamW", lr=1e-3, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.1, fused=None
+    )
+    scheduler = dict(
+        _target_="parallama.training.schedules.WarmupCosine",
+        warmup_steps=2,
+        warmup_start_factor=0.1,
+        min_lr_ratio=0.0,
+    )
     module = CausalLM(model=model, optimizer=optimizer, scheduler=scheduler, **overrides)
     module.configure_model()
     return module
@@ -44,6 +52,7 @@ class _FakeTrainer:
     estimated_stepping_batches = 20
     strategy = None
     fast_dev_run = 0
+    gradient_clip_val = 1.0
 
 
 def test_decay_groups_and_schedule_wiring(monkeypatch):
@@ -144,28 +153,27 @@ def test_strategy_that_cannot_run_on_the_accelerator(overrides, message):
         preflight(CONF_DIR, "train", overrides)
 
 
-def test_adamw_is_fused_unless_fp16s_loss_scaler_unscales_after_clipping(monkeypatch):
+def test_adamw_is_fused_unless_fp16s_loss_scaler_unscales_after_clipping():
     """fp16-mixed: a fused AdamW unscales inside its step, after Lightning clipped the still-scaled gradients, so
     the GPU default falls back to foreach and an explicit fused=true is refused in one line. (bf16-mixed clips a
     fused AdamW: tests/integration/test_matrix.py's ddp_bf16_mixed case.)"""
-    from types import SimpleNamespace
+    from functools import partial
 
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    from parallama.training.optim import with_fused_default
 
-    from parallama.parallel.strategies.ddp import SingleDevice
+    def fused(value, **where):
+        return with_fused_default(partial(torch.optim.AdamW, lr=1e-3, fused=value), **where).keywords["fused"]
 
-    trainer = SimpleNamespace(gradient_clip_val=1.0)
-    monkeypatch.setattr(
-        SingleDevice, "lightning_module", property(lambda self: SimpleNamespace(trainer=trainer))
-    )
-    monkeypatch.setattr(SingleDevice, "root_device", property(lambda self: torch.device("cuda")))
-    strategy = SingleDevice()
-    groups = lambda: [{"params": [torch.nn.Parameter(torch.zeros(2))]}]  # noqa: E731
-    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
-    assert strategy.make_optimizer(groups(), fused=None, lr=1e-3).defaults["fused"]
-    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    assert not strategy.make_optimizer(groups(), fused=None, lr=1e-3).defaults["fused"]
+    assert fused(None, on_gpu=True, loss_scaled=False, clipping=True)
+    assert not fused(None, on_gpu=True, loss_scaled=True, clipping=True)
+    assert not fused(None, on_gpu=False, loss_scaled=False, clipping=True)
     with pytest.raises(ConfigError, match=r"^optimizer.fused=true with trainer.precision=16-mixed .*; set "):
-        strategy.make_optimizer(groups(), fused=True, lr=1e-3)
-    trainer.gradient_clip_val = None
-    assert strategy.make_optimizer(groups(), fused=True, lr=1e-3).defaults["fused"]
+        fused(True, on_gpu=True, loss_scaled=True, clipping=True)
+    assert fused(True, on_gpu=True, loss_scaled=True, clipping=False)
+    # an optimizer without the key is left as configured
+    assert (
+        "fused"
+        not in with_fused_default(
+            partial(torch.optim.SGD), on_gpu=True, loss_scaled=False, clipping=False
+        ).keywords
+    )

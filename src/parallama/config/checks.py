@@ -20,13 +20,13 @@ from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     """`hardware=False` leaves out what depends on this machine (GPUs, cores): for `--cfg`, which only prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
-    _check_optimizer(cfg)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     _check_model_shape(model)
     if data.seq_len > model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
+    _check_recipe(cfg)
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
@@ -120,8 +120,6 @@ RULES = {  # checked when the key exists (strategy keys only for the strategies 
     "optimizer.weight_decay": Rule(float, 0),
     "optimizer.eps": Rule(float, 0, open="low"),
     "optimizer.fused": Rule(bool, allow=(None,)),
-    "scheduler.warmup_start_factor": Rule(float, 0, 1),
-    "scheduler.min_lr_ratio": Rule(float, 0, 1),
     "sample.max_new_tokens": Rule(int, 0),
     "sample.temperature": Rule(float, 0),
     "sample.top_k": Rule(int, 1, allow=(None,)),
@@ -192,22 +190,52 @@ def _check_model_shape(model: DictConfig) -> None:
     model_spec(fields).build_config(fields)
 
 
-def _check_optimizer(cfg: DictConfig) -> None:
-    betas = cfg.optimizer.betas
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+def _check_recipe(cfg: DictConfig) -> None:
+    """The optimizer, schedule and loss build, each checking its own keys (training/optim.py, schedules.py,
+    loss.py); the cross-key rules here."""
+    from parallama.config.parts import instantiate_part
+    from parallama.training.optim import check_optimizer, offload_refusal
+
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    betas = optimizer.get("betas")
+    if betas is not None and (
+        len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+    ):
         raise ConfigError(
             f"optimizer.betas={list(betas)} is not valid; use two numbers in [0, 1), e.g. [0.9, 0.95]"
         )
-    sched = cfg.scheduler
-    warmup = sched.warmup_steps
-    if warmup != "auto" and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
-        raise ConfigError(f"scheduler.warmup_steps={warmup!r} must be an integer >= 0 or auto")
+    factory = check_optimizer(optimizer)
+    strategy = cfg.strategy
+    if strategy.get("offload_optimizer") and (message := offload_refusal(factory.func)):
+        raise ConfigError(message)
+    schedule = instantiate_part(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler")
+    warmup = getattr(schedule, "warmup_steps", "auto")
     max_steps = cfg.trainer.get("max_steps", -1)
     if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
         raise ConfigError(
             f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
             "lower it, use scheduler.warmup_steps=auto, or train longer"
         )
+    instantiate_part(OmegaConf.to_container(cfg.loss, resolve=True), "loss")
+    if (target := OmegaConf.select(cfg, "module._target_")) != DEFAULT_MODULE:
+        _check_module(target)
+
+
+DEFAULT_MODULE = "parallama.training.module.CausalLM"
+
+
+def _check_module(target) -> None:
+    """`module._target_` names a LightningModule built like CausalLM (a subclass of it)."""
+    from hydra.utils import get_class
+
+    from parallama.training.module import CausalLM
+
+    try:
+        cls = get_class(str(target))
+    except Exception as err:  # Hydra's ImportError says what could not be imported
+        raise ConfigError(f"module._target_={target} cannot be imported ({err})") from None
+    if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
+        raise ConfigError(f"module._target_={target} is not a subclass of parallama.training.module.CausalLM")
 
 
 def _check_devices(trainer: DictConfig) -> None:

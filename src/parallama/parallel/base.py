@@ -9,7 +9,7 @@ A strategy class declares:
   partitioned) and what the model family's own plan (models/<family>/parallelize.py) applies to it;
 - `compute_loss` / `inference_model`: the loss of a batch and the model generation runs on, where the layout
   needs more than a forward pass;
-- `make_optimizer`: the optimizer (DeepSpeed's CPU Adam when it offloads);
+- `build_optimizer`: the recipe's optimizer, built as configured (DeepSpeed's offload swaps in its CPU Adam);
 - `checkpoint_format`, `loads_natively` and `load_universal`: its checkpoint, and how it resumes any other
   strategy's (see checkpoint/universal.py).
 Adding a strategy = one such class + one conf/strategy/<name>.yaml whose `_target_` is the class.
@@ -28,7 +28,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
-from parallama.errors import ConfigError
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import ParallelizeOptions
 
@@ -105,19 +104,10 @@ class Parallelism:
         """The model that `models.generation.generate` runs on every rank (the end-of-run sample)."""
         return model
 
-    def make_optimizer(self, groups: list[dict], *, fused: bool | None, **kwargs) -> torch.optim.Optimizer:
-        """AdamW; fused (one kernel for all parameters) by default on GPU, except under fp16's loss scaler: a fused
-        step unscales the gradients itself, after Lightning would have clipped them still scaled."""
-        scaled = getattr(self.precision_plugin, "scaler", None) is not None
-        if fused is None:
-            fused = self.root_device.type == "cuda" and not scaled
-        elif fused and scaled and self.lightning_module.trainer.gradient_clip_val:
-            raise ConfigError(
-                "optimizer.fused=true with trainer.precision=16-mixed and trainer.gradient_clip_val: a fused AdamW "
-                "unscales fp16 gradients inside its step, after clipping; set optimizer.fused=null, "
-                "trainer.precision=bf16-mixed or trainer.gradient_clip_val=null"
-            )
-        return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+    def build_optimizer(self, factory: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict]):
+        """The optimizer the recipe names (`factory(groups)`, training/optim.py). A strategy that must run
+        another one in its place (DeepSpeed's offload) overrides this, refusing in one line what it cannot run."""
+        return factory(groups)
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()

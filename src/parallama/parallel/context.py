@@ -18,8 +18,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from parallama.data.datasets import IGNORE_INDEX
 from parallama.runtime import compat
 
 
@@ -82,19 +82,16 @@ class ContextParallelStep:
         self._open = ExitStack()
 
     def loss(self, module, batch: dict, cp_mesh, loss_context=None) -> torch.Tensor:
-        """`module(input_ids, position_ids=...)` gives the logits (a LightningModule's forward). Padded batches
-        run causal attention alone, which is exact for right padding (no real token attends to a later pad)."""
+        """`module(input_ids, position_ids=...)` gives the logits (a LightningModule's forward), `module.loss_fn`
+        their loss (training/loss.py). Padded batches run causal attention alone, which is exact for right padding
+        (no real token attends to a later pad)."""
         self.end()  # a step that failed before its backward
         local = self._open.enter_context(sharded_batch(cp_mesh, batch))
         labels = local["labels"].flatten()
         with loss_context or nullcontext():
             logits = module(local["input_ids"], position_ids=local["position_ids"])
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum"
-            )
-        if hasattr(loss_sum, "full_tensor"):  # a replicated DTensor from tensor parallel's loss
-            loss_sum = loss_sum.full_tensor()
-        loss = mean_loss(loss_sum, (labels != -100).sum(), cp_mesh)
+            loss_sum = module.loss_fn(logits, labels, reduction="sum")
+        loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh)
         if not torch.is_grad_enabled():
             self.end()
         return loss

@@ -10,14 +10,15 @@ that shares those modules. strategy=model_parallel builds a `Pipeline` when its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from parallama.data.datasets import IGNORE_INDEX
 from parallama.parallel.context import sharded_batch
 from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
 from parallama.runtime.compat import forward_only
@@ -32,18 +33,24 @@ BATCH_KWARGS = (
 class Pipeline:
     """This rank's stages (`stages`: (stage index, module) pairs of `num_stages`) under `options.schedule`.
 
-    The loss of a batch is the mean cross-entropy over its labelled tokens (-100 ignored), as `CausalLM.loss`: each
-    microbatch's loss is its summed cross-entropy divided by the labelled tokens of the whole batch, and the
+    The loss of a batch is the recipe's loss (`loss_fn`, training/loss.py) averaged over its labelled tokens, as
+    `CausalLM.loss`: each microbatch's loss is its sum divided by the labelled tokens of the whole batch, and the
     schedule adds the microbatches up (scale_grads=False). Averaging per-microbatch means instead would weigh
     tokens unequally whenever microbatches hold different numbers of ignored labels.
     """
 
     def __init__(
-        self, stages: list[tuple[int, nn.Module]], num_stages: int, options: PipelineOptions, group, device
+        self,
+        stages: list[tuple[int, nn.Module]],
+        num_stages: int,
+        options: PipelineOptions,
+        group,
+        device,
+        loss_fn: Callable[..., Tensor],
     ):
         import torch.distributed.pipelining as pipelining
 
-        self.group, self.device, self.options = group, device, options
+        self.group, self.device, self.options, self.loss_fn = group, device, options, loss_fn
         self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group) for i, m in stages]
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
@@ -58,10 +65,7 @@ class Pipeline:
         self._step_grads: list = []  # (parameter, gradient) of the last training step, for `add_grads`
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-        return loss / self._denominator
+        return self.loss_fn(logits, labels, reduction="sum") / self._denominator
 
     def loss(self, batch: dict, *, train: bool, accumulate: int = 1, parameters=(), cp_mesh=None) -> Tensor:
         """The batch's mean loss, the same on every rank of the pipeline. Evaluation runs forward only.
@@ -100,7 +104,7 @@ class Pipeline:
         cp = cp_mesh.size() if cp_mesh is not None else 1
         with sharded_batch(cp_mesh, batch) if cp > 1 else nullcontext(batch) as local:
             labels = local["labels"]
-            count = (labels != -100).sum().float()
+            count = (labels != IGNORE_INDEX).sum().float()
             if cp > 1:
                 dist.all_reduce(count, group=cp_mesh.get_group())
                 # one row of positions per sample: the schedule splits every stage's kwargs into microbatches
@@ -133,7 +137,7 @@ class Pipeline:
             return batch
         fill = self._rows - rows
         out = {k: torch.cat([v, v[:1].expand(fill, *v.shape[1:])]) for k, v in batch.items()}
-        out["labels"][rows:] = -100
+        out["labels"][rows:] = IGNORE_INDEX
         return out
 
     def add_grads(self) -> None:

@@ -4,46 +4,22 @@
 from __future__ import annotations
 
 import logging
-import math
+from dataclasses import replace
 from functools import partial
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from parallama.checkpoint.formats import INFO_KEY
-from parallama.errors import ConfigError, TrainingDiverged
+from parallama.config.parts import instantiate_part
+from parallama.data.datasets import IGNORE_INDEX
+from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
+from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
 
 log = logging.getLogger("parallama")
-
-
-def warmup_cosine(
-    step: int, *, warmup_steps: int, total_steps: int, start_factor: float, min_ratio: float
-) -> float:
-    """LR multiplier: linear from start_factor to 1 over warmup_steps, then cosine down to min_ratio at total_steps."""
-    if step < warmup_steps:
-        return start_factor + (1.0 - start_factor) * step / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-AUTO_WARMUP_STEPS, AUTO_WARMUP_FRACTION = 60, 0.2
-
-
-def resolve_warmup(warmup_steps: int | str, total_steps: int) -> int:
-    """`auto`: 60 steps, or a fifth of a shorter run, so smoke tests (max_steps=5, fast_dev_run) need no
-    extra override. An explicit number must leave room for the decay: it is never silently shortened."""
-    if warmup_steps == "auto":
-        return min(AUTO_WARMUP_STEPS, int(total_steps * AUTO_WARMUP_FRACTION))
-    if warmup_steps >= total_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={warmup_steps} is not below the run's {total_steps} optimizer steps; "
-            "lower it, use scheduler.warmup_steps=auto, or train longer (trainer.max_steps)"
-        )
-    return warmup_steps
 
 
 def ends_the_run(trainer) -> bool:
@@ -55,14 +31,16 @@ def ends_the_run(trainer) -> bool:
 
 
 class CausalLM(L.LightningModule):
-    """Causal language modelling on a model of the family `model["family"]` names. Arguments are plain dicts so
-    checkpoints rebuild the module."""
+    """Causal language modelling on a model of the family `model["family"]` names, with the recipe's optimizer,
+    schedule and loss (conf/optimizer, conf/scheduler, conf/loss: `_target_`s). Arguments are plain dicts so
+    checkpoints rebuild the module; a module of your own subclasses this one and is named by `module._target_`."""
 
     def __init__(
         self,
         model: dict,
         optimizer: dict,
         scheduler: dict,
+        loss: dict | None = None,
         compile: bool = False,
         activation_checkpointing: bool = False,
         init_from: str | None = None,
@@ -71,6 +49,7 @@ class CausalLM(L.LightningModule):
         self.save_hyperparameters()
         self.spec = model_spec(model)
         self.config = self.spec.build_config(model)
+        self.loss_fn = instantiate_part(loss or {"_target_": "parallama.training.loss.CrossEntropy"}, "loss")
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
@@ -112,10 +91,11 @@ class CausalLM(L.LightningModule):
         return self.model(input_ids, attention_mask, **documents)
 
     def loss(self, batch: dict) -> torch.Tensor:
-        """Mean cross-entropy of the batch's labels (-100 ignored) under the model."""
+        """The recipe's loss (`loss_fn`, conf/loss) of the batch's labels under the model: its mean over the
+        labelled tokens."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        return self.loss_fn(logits, batch["labels"])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.parallelism.compute_loss(self, batch)
@@ -143,7 +123,7 @@ class CausalLM(L.LightningModule):
 
     def _apply_configured_lr(self) -> None:
         """A resumed scheduler brings back the checkpoint's peak LR; `optimizer.lr` is what this run asks for."""
-        lr = self.hparams.optimizer["lr"]
+        lr = self.configured_lr
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
             if all(base == lr for base in scheduler.base_lrs):
@@ -158,7 +138,7 @@ class CausalLM(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self.parallelism.compute_loss(self, batch)
-        self.val_loss.update(loss, weight=(batch["labels"] != -100).sum())
+        self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # synced across ranks by torchmetrics
@@ -166,37 +146,39 @@ class CausalLM(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True)  # identical on every rank
         self.log("val/ppl", torch.exp(loss))
 
-    def configure_optimizers(self):
-        opt = dict(self.hparams.optimizer)
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups: matrices (embeddings, projections, head) decay with the optimizer's
+        weight_decay, vectors (norm weights) do not. Override it for another rule (docs/customize.md)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        strategy = self.parallelism
-        decay = [
-            p for p in params if len(strategy.param_shape(p)) >= 2
-        ]  # matrices decay, norm weights do not
-        no_decay = [p for p in params if len(strategy.param_shape(p)) < 2]
-        groups = [
-            {"params": decay, "weight_decay": opt["weight_decay"]},
-            {"params": no_decay, "weight_decay": 0.0},
+        shape = self.parallelism.param_shape  # a ZeRO-3 partition's real shape
+        return [
+            {"params": [p for p in params if len(shape(p)) >= 2]},
+            {"params": [p for p in params if len(shape(p)) < 2], "weight_decay": 0.0},
         ]
-        kwargs = {"lr": opt["lr"], "betas": tuple(opt["betas"]), "eps": opt["eps"]}
-        optimizer = strategy.make_optimizer(groups, fused=opt.get("fused"), **kwargs)
 
-        sched = self.hparams.scheduler
-        total = int(self.trainer.estimated_stepping_batches)
+    def configure_optimizers(self):
+        strategy = self.parallelism
+        factory = with_fused_default(
+            optimizer_factory(self.hparams.optimizer),
+            on_gpu=strategy.root_device.type == "cuda",
+            loss_scaled=getattr(strategy.precision_plugin, "scaler", None) is not None,
+            clipping=bool(self.trainer.gradient_clip_val),
+        )
+        self.configured_lr = peak_lr(factory)
+        optimizer = strategy.build_optimizer(factory, self.param_groups())
+
+        schedule = instantiate_part(self.hparams.scheduler, "scheduler")
         # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
         # few steps say nothing about the schedule, so they take `auto` instead of refusing the preset's warmup.
-        warmup = resolve_warmup("auto" if self.trainer.fast_dev_run else sched["warmup_steps"], total)
-        lr_lambda = partial(
-            warmup_cosine,
-            warmup_steps=warmup,
-            total_steps=total,
-            start_factor=sched["warmup_start_factor"],
-            min_ratio=sched["min_lr_ratio"],
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        # An explicit name keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms) the same under every
-        # strategy; LearningRateMonitor would otherwise use the wrapper's class (ZeroRedundancyOptimizer).
-        lr_schedule = {"scheduler": scheduler, "interval": "step", "name": "lr-AdamW"}
+        if self.trainer.fast_dev_run and hasattr(schedule, "warmup_steps"):
+            schedule = replace(schedule, warmup_steps="auto")
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
+        # An explicit name (the configured class's) keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms)
+        # the same under every strategy; LearningRateMonitor would otherwise use the wrapper's class
+        # (ZeroRedundancyOptimizer) or DeepSpeed's CPU Adam.
+        name = f"lr-{getattr(factory.func, '__name__', 'optimizer')}"
+        lr_schedule = {"scheduler": scheduler, "interval": "step", "name": name}
         return {"optimizer": optimizer, "lr_scheduler": lr_schedule}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

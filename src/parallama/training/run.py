@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama.config.checks import apply_global_batch, check_config
 from parallama.config.compose import already_checked
+from parallama.config.parts import instantiate_part
 from parallama.errors import ConfigError
 from parallama.runtime import faults
 
@@ -47,6 +48,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
+    from parallama.training.optim import optimizer_factory, peak_lr
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
@@ -62,13 +64,17 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
             f"the tokenizer has {vocab} tokens but model.vocab_size={model_cfg['vocab_size']}; "
             f"set model.vocab_size>={vocab} (or null to follow the tokenizer)"
         )
-    module = CausalLM(
+    module: CausalLM = instantiate_part(
+        OmegaConf.to_container(cfg.module),
+        "module",
         model=model_cfg,
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
+        loss=OmegaConf.to_container(cfg.loss, resolve=True),
         compile=cfg.compile,
         activation_checkpointing=cfg.activation_checkpointing,
         init_from=cfg.init_from,
+        _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
     runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name / "runs")
@@ -106,7 +112,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     log.info(
         f"[rank {trainer.global_rank}/{trainer.world_size}, local rank {trainer.local_rank}] "
         f"{module.config.num_params() / 1e6:.2f} M parameters, strategy {type(trainer.strategy).__name__}, "
-        f"lr {module.hparams.optimizer['lr']:g}" + (f", pinned to CPU cores {cores}" if cores else "")
+        f"lr {peak_lr(optimizer_factory(module.hparams.optimizer)):g}"
+        + (f", pinned to CPU cores {cores}" if cores else "")
     )
     faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:

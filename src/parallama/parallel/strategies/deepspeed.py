@@ -16,9 +16,11 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
 from parallama.parallel.plan import MemoryProfile
 from parallama.runtime import compat
+from parallama.training.optim import offload_refusal
 
 log = logging.getLogger("parallama")
 _DS = "strategy=deepspeed strategy.stage="
@@ -93,12 +95,18 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
     def param_shape(param: torch.nn.Parameter) -> torch.Size:
         return getattr(param, "ds_shape", param.shape)  # ZeRO-3 keeps a partitioned tensor's real shape here
 
-    def make_optimizer(self, groups: list[dict], *, fused: bool | None, **kwargs) -> torch.optim.Optimizer:
-        if self.offload_optimizer:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
+    def build_optimizer(self, factory, groups: list[dict]):
+        """With the optimizer offloaded, DeepSpeed steps on the CPU with its own Adam: the configured Adam or AdamW
+        becomes DeepSpeedCPUAdam with the same settings; any other class is refused (config/checks.py says so
+        before work, `offload_refusal`)."""
+        if not self.offload_optimizer:
+            return super().build_optimizer(factory, groups)
+        if message := offload_refusal(factory.func):
+            raise ConfigError(message)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
 
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        return super().make_optimizer(groups, fused=fused, **kwargs)
+        settings = {k: v for k, v in factory.keywords.items() if k in CPU_ADAM_KEYS}
+        return DeepSpeedCPUAdam(groups, adamw_mode=factory.func is torch.optim.AdamW, **settings)
 
     # --- checkpoints ------------------------------------------------------------------------------------
 
@@ -129,6 +137,9 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         from parallama.checkpoint.zero import load_into_deepspeed
 
         load_into_deepspeed(self, self.lightning_module, state.model, state.optimizer)
+
+
+CPU_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
 def _say_if_ops_will_build(local_rank: int) -> None:

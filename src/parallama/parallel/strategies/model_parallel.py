@@ -126,7 +126,10 @@ class ModelParallel(FSDP2):
                     "stay gathered from forward to backward (strategy.reshard_after_forward is taken as false)"
                 )
             stages = self.dims.pp * options.stages_per_rank
-            self.pipeline = Pipeline(model.pipeline_stages, stages, options, pp_group, self.root_device)
+            loss_fn = self.lightning_module.loss_fn
+            self.pipeline = Pipeline(
+                model.pipeline_stages, stages, options, pp_group, self.root_device, loss_fn
+            )
         return model
 
     def loss_context(self):

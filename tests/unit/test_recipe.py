@@ -1,0 +1,107 @@
+"""The recipe's parts as `_target_`s (conf/optimizer, conf/scheduler, conf/loss, `module`): each builds from its
+config, computes what it says, and a bad one is one line before any work. Training with them under every layout:
+tests/distributed/test_recipe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallama import CONF_DIR
+from parallama.config.compose import preflight
+from parallama.errors import ConfigError
+from parallama.training.loss import CrossEntropy
+from parallama.training.schedules import Constant, WarmupCosine, WarmupStableDecay
+
+
+def test_the_loss_is_torchs_cross_entropy_with_label_smoothing_and_z_loss():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 32, requires_grad=True)
+    labels = torch.randint(0, 32, (2, 5))
+    labels[0, :2] = -100  # ignored: neither loss term counts them
+    flat, kept = logits.flatten(0, 1), labels.flatten()
+    assert torch.equal(CrossEntropy()(logits, labels), F.cross_entropy(flat, kept, ignore_index=-100))
+
+    smoothed = F.cross_entropy(flat, kept, ignore_index=-100, label_smoothing=0.1)
+    z = torch.logsumexp(flat, -1)[kept != -100].square().mean()
+    loss = CrossEntropy(label_smoothing=0.1, z_loss=1e-2)
+    torch.testing.assert_close(loss(logits, labels), smoothed + 1e-2 * z)
+    # the pipeline and context parallel sum over a microbatch and divide by the whole batch's count themselves
+    torch.testing.assert_close(loss(logits, labels, reduction="sum"), (smoothed + 1e-2 * z) * 8)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        # 10 warmup steps from 0.1, then the peak, the last 20 of 100 steps decaying linearly to 0
+        (
+            WarmupStableDecay(warmup_steps=10, decay_fraction=0.2),
+            {0: 0.1, 5: 0.55, 10: 1, 79: 1, 80: 1, 90: 0.5, 100: 0},
+        ),
+        (Constant(), {0: 1, 50: 1, 100: 1}),
+        (Constant(warmup_steps=4, warmup_start_factor=0.0), {0: 0, 2: 0.5, 4: 1, 100: 1}),
+        (WarmupCosine(warmup_steps=10, min_lr_ratio=0.0), {10: 1, 55: 0.5, 100: 0}),
+    ],
+)
+def test_schedules(schedule, expected):
+    lr_lambda = schedule.lr_lambda(100)
+    assert {step: lr_lambda(step) for step in expected} == pytest.approx(expected)
+    assert (
+        lr_lambda.__dict__ == {}
+    )  # nothing of it goes into LambdaLR's checkpoint: a resume follows its config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["optimizer._target_=torch.optim.SGD"],
+            r"^optimizer._target_=torch.optim.sgd.SGD does not take the ",
+        ),
+        (
+            ["optimizer._target_=torch.optim.Nope"],
+            r"^optimizer._target_=torch.optim.Nope: cannot be imported \(No module named",
+        ),
+        (["~optimizer._target_"], r"^optimizer has no _target_; name the class to build"),
+        (
+            ["strategy=deepspeed", "strategy.offload_optimizer=true", "optimizer._target_=torch.optim.NAdam"],
+            r"^strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam, not optimizer._target_=",
+        ),
+        (["scheduler=wsd", "scheduler.decay_fraction=2"], r"^scheduler.decay_fraction=2 is not valid; use a"),
+        (
+            ["scheduler=constant", "+scheduler.min_lr_ratio=0.1"],
+            r"^scheduler._target_=.*Constant: .*min_lr_ratio",
+        ),
+        (["loss.z_loss=-1"], r"^loss.z_loss=-1 is not valid; use a number >= 0$"),
+        (["loss.label_smoothing=1"], r"^loss.label_smoothing=1 is not valid; use a number in \[0, 1\)$"),
+        (
+            ["module._target_=torch.nn.Linear"],
+            r"^module._target_=torch.nn.Linear is not a subclass of .*CausalLM$",
+        ),
+    ],
+)
+def test_a_bad_part_is_one_line_before_work(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        preflight(CONF_DIR, "train", ["trainer.accelerator=cpu", *overrides])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "~optimizer.betas",
+            "~optimizer.lr",
+        ],  # the class's defaults (found: a 49-line traceback, a KeyError)
+        ["~scheduler.warmup_steps"],
+        ["optimizer._target_=torch.optim.SGD", "~optimizer.betas", "~optimizer.eps"],
+        [
+            "optimizer._target_=torch.optim.NAdam"
+        ],  # fused=null is parallama's choice: none where a class has none
+        ["scheduler=wsd"],
+        ["scheduler=constant"],
+    ],
+)
+def test_keys_removed_or_another_class_pass_the_checks(overrides):
+    preflight(CONF_DIR, "train", ["trainer.accelerator=cpu", *overrides])

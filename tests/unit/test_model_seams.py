@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallama.errors import ConfigError
@@ -14,7 +13,6 @@ from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.hf import save_hf_folder
 from parallama.models.llama.model import Attention, DecoderLayer, Llama
 from parallama.models.llama.parallelize import apply_tp
-from parallama.parallel.dims import ParallelDims
 
 SHAPE = dict(
     vocab_size=320,
@@ -47,21 +45,13 @@ def test_export_refuses_a_parameter_the_hf_mapping_does_not_know(tmp_path):
     one_line(excinfo, "model.layers.0.mlp.up_proj.weight", "initialize it at random")
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield ParallelDims().build_mesh("cpu")
-    dist.destroy_process_group()
-
-
-def test_a_parameter_the_tp_plan_does_not_cover_is_refused(mesh):
+def test_a_parameter_the_tp_plan_does_not_cover_is_refused(one_rank_mesh):
     model = Llama(LlamaConfig(**SHAPE))
     model.layers["1"].mlp.register_parameter("gain", nn.Parameter(torch.ones(64)))
     with pytest.raises(ConfigError) as excinfo:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, one_rank_mesh["tp"])
     one_line(excinfo, "layers.1.mlp.gain", "tensor-parallel plan")
-    apply_tp(Llama(LlamaConfig(**SHAPE)), mesh["tp"])  # the Llama's own plan covers all of it
+    apply_tp(Llama(LlamaConfig(**SHAPE)), one_rank_mesh["tp"])  # the Llama's own plan covers all of it
 
 
 def test_a_family_replaces_one_part_without_copying_the_model():

@@ -1,7 +1,7 @@
 """The Qwen3 family, built from the Llama's parts (its attention with QK-norm): transformers' logits both ways
 (through the export and from a folder transformers wrote), tied and untied, head_dim independent of the width,
 exact parameter counts (the real model's, parallama-plan's), and its tensor-parallel plan covering the q/k norms
-(a 1-rank gloo mesh here; 2 ranks: tests/distributed/test_qwen3.py)."""
+(a 1-rank gloo mesh here; 2 ranks: tests/distributed/test_qwen3_parallel.py)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,14 @@
 without sequence parallel), FSDP and DDP ends with the weights of one process (through parallama-export, to 1e-5),
 as tests/distributed/test_model_parallel.py checks the Llama: one run per layout, 2 steps, no validation; each
 samples at the end (tp: KV-cache decoding on the tensor-parallel model; tp_sp: on a full copy the strategy builds
-from the family's model class) and all sample the same text."""
+from the family's model class) and all sample the same text.
+
+And the found bug: a family whose tensor-parallel plan misses parameters (here Qwen3's model under the Llama's
+plan: the q/k norms) trained each tp rank's own copy; the run now refuses in one line naming the parameter."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import pytest
@@ -72,3 +76,41 @@ def test_qwen3_trains_on_2_ranks_like_one_process(runs, name, tmp_path):
 def test_every_layout_samples_the_one_process_text(runs):
     texts = {name: sample(log) for name, log in runs["log"].items()}
     assert len(set(texts.values())) == 1 and texts["ref"].strip(), texts
+
+
+UNCOVERED = """
+    from parallama.models import ModelSpec
+    from parallama.models.qwen3 import Qwen3Config
+
+    SPEC = ModelSpec(
+        family="qknorm",
+        config=Qwen3Config,
+        model_path="parallama.models.qwen3.model.Qwen3",
+        parallelize_path="parallama.models.llama.parallelize.parallelize",
+    )
+"""
+
+
+def test_a_family_whose_tp_plan_misses_a_parameter_is_refused_in_one_line(tmp_path, data_cache):
+    (tmp_path / "qknorm").mkdir()
+    (tmp_path / "qknorm" / "__init__.py").write_text(textwrap.dedent(UNCOVERED))
+    proc = train(
+        "model=qwen3_tiny",
+        "model.family=qknorm",
+        "strategy=model_parallel",
+        "strategy.tp=2",
+        "trainer.devices=2",
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=tmp_path / "run",
+        env={"PYTHONPATH": str(tmp_path)},
+        check=False,
+    )
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert proc.returncode == 2 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    want = (
+        "error: strategy.tp=2: the model's layers.0.self_attn.q_norm.weight is not covered by the tensor-parallel "
+        "plan parallama.models.llama.parallelize.tp_block_plan"
+    )
+    assert all(want in line for line in lines), lines  # each rank's one line
+    assert not (tmp_path / "run" / "checkpoints").exists()

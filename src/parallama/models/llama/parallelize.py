@@ -167,10 +167,10 @@ def apply_tp(
         plan = block_plan(sequence_parallel=sequence_parallel, between=between)
         replicated |= {f"layers.{key}.{name}" for name, style in plan.items() if style is REPLICATED}
         parallelize_module(block, mesh, {k: v for k, v in plan.items() if v is not REPLICATED})
-    check_tp_plan_covers(model, mesh, replicated)
+    check_tp_plan_covers(model, mesh, replicated, f"{block_plan.__module__}.{block_plan.__qualname__}")
 
 
-def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str]) -> None:
+def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str], plan: str = "") -> None:
     """Every parameter is a DTensor on the tp `mesh` or belongs to a module the plan keeps `REPLICATED`: a
     parameter the plan missed would be a plain tensor that each rank updates from its own share of the
     activations (a model that is not the one-process model, silently), so it is one line naming it."""
@@ -180,9 +180,9 @@ def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str]) -> None:
         covered = isinstance(param, DTensor) and param.device_mesh == mesh
         if not covered and name.rpartition(".")[0] not in replicated:
             raise ConfigError(
-                f"strategy.tp={mesh.size()}: the model's {name} is not covered by the tensor-parallel plan of "
-                f"{type(model).__module__.rpartition('.')[0]}.parallelize (it would train wrongly); add its "
-                "module to the family's block plan or use strategy.tp=1"
+                f"strategy.tp={mesh.size()}: the model's {name} is not covered by the tensor-parallel plan "
+                f"{plan} (each rank would train its own copy from its share of the activations); add its module "
+                "to the family's block plan (its SPEC's parallelize) or use strategy.tp=1"
             )
 
 

@@ -26,6 +26,7 @@ from parallama.models.qwen3 import Qwen3Config
 from parallama.models.qwen3.model import Qwen3, Qwen3Attention
 from parallama.models.qwen3.parallelize import qwen3_block_plan
 from parallama.parallel.dims import ParallelDims
+from parallama.parallel.layouts import stage_params
 from parallama.parallel.options import ParallelizeOptions
 
 SHAPE = {**LLAMA_SHAPE, "head_dim": 24}  # head_dim 24 != hidden_size / num_attention_heads = 16: its own
@@ -110,6 +111,14 @@ def test_parallama_plan_counts_qwen3_0_6b_exactly():
     result = plan(cfg, 80, ["model=qwen3_0_6b"])
     assert result["num_params"] == 596_049_920
     assert result["recommendation"] is not None
+    # the N-D planner's share of a tp rank: the matmuls (heads x head_dim wide) and the vocabulary split, the
+    # norms (the q/k norms too) whole, as the plan shards them
+    config = model_spec(cfg.model).build_config(OmegaConf.to_container(cfg.model))
+    assert stage_params(config, ParallelDims()) == 596_049_920
+    model = Qwen3(Qwen3Config(**{**SHAPE, "tie_word_embeddings": True}))
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    want = (sum(p.numel() for p in model.parameters()) - norms) // 2 + norms
+    assert stage_params(model.config, ParallelDims(tp=2)) == want
 
 
 def test_a_bad_head_dim_is_one_line():

@@ -125,8 +125,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_hf_weights(model: Llama, path: str | os.PathLike) -> None:
-    """Copy a HF folder's weights into `model` (of the family the folder's config.json names), whose config must
-    match the folder's."""
+    """Copy a HF folder's weights into `model`, whose config must match the folder's (read as the model's config
+    class: its family's model_type and fields)."""
     theirs = load_hf_config(path, type(model.config))
     for f in fields(theirs):
         if f.name != "initializer_range" and getattr(theirs, f.name) != getattr(model.config, f.name):

@@ -78,10 +78,16 @@ def test_qwen3_logits_equal_transformers_through_the_export(tmp_path, tie):
     torch.testing.assert_close(logits(back, ids), want, atol=0, rtol=0)
 
 
-def test_a_qwen3_folder_from_transformers_loads_into_ours(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_qwen3_folder_from_transformers_loads_into_ours(tmp_path, tie):
+    """What init_from and model_dir= read: a folder transformers wrote (its rope_parameters, its tying)."""
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**{**SHAPE, "rms_norm_eps": 1e-6, "tie_word_embeddings": False})
+    config = transformers.Qwen3Config(**{**SHAPE, "rms_norm_eps": 1e-6, "tie_word_embeddings": tie})
     theirs = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
     theirs.save_pretrained(tmp_path)
     spec = spec_for_hf_folder(tmp_path)
     ours = spec.model(spec.hf.load_hf_config(tmp_path, spec.config)).eval()

@@ -11,6 +11,8 @@ import transformers
 from omegaconf import OmegaConf
 from test_model_seams import SHAPE as LLAMA_SHAPE
 from test_model_seams import one_line
+from test_plan import _saved_bytes
+from test_plan import plans as estimate_plans
 from torch.distributed.tensor import DTensor
 
 from parallama import CONF_DIR
@@ -125,6 +127,16 @@ def test_parallama_plan_counts_qwen3_0_6b_exactly():
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     want = (sum(p.numel() for p in model.parameters()) - norms) // 2 + norms
     assert stage_params(model.config, ParallelDims(tp=2)) == want
+
+
+def test_saved_activation_bytes_match_the_planners_estimate():
+    """test_plan.py's measurement on a Qwen3 (head_dim 24 != 64 / 4; the q/k norms' inputs counted). CPU runs
+    RMSNorm unfused, which also saves each normalized input: 2h + q + kv more per layer and token (~20% here)."""
+    config = Qwen3Config(**{**SHAPE, "num_hidden_layers": 4})
+    ids = torch.randint(0, 320, (2, 128), generator=torch.Generator().manual_seed(0))
+    measured = _saved_bytes(Qwen3(config), ids)
+    expected = estimate_plans(config, seq_len=128)["ddp"].activations
+    assert 1.0 <= measured / expected < 1.25, measured / expected
 
 
 def test_a_bad_head_dim_is_one_line():

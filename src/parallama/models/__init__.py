@@ -6,8 +6,8 @@ family is one folder (its `__init__` with the config and SPEC, `model.py`, `para
 Hugging Face folders) plus one conf/model file.
 
 A family shaped like the Llama reuses its parts instead of copying them (models/qwen3, the worked example): its
-config subclasses `LlamaConfig` (fields, `check_head_dim`, `block_params`, `layer_weights`, `hf_model_type`,
-`hf_architecture`), its model subclasses `Llama` and replaces a part by class attribute (`Llama.decoder_layer`,
+config subclasses `LlamaConfig` (fields, `check_head_dim`, `block_params`, `attention_activations`,
+`layer_weights`, `hf_model_type`, `hf_architecture`), its model subclasses `Llama` and replaces a part by class attribute (`Llama.decoder_layer`,
 `DecoderLayer.attention`, `DecoderLayer.feed_forward`, `Attention.project`), its parallelize plan is the Llama's
 with its own `block_plan`, and its SPEC points `hf_path` at the Llama's hf.py, which takes the family from the
 config class.
@@ -15,7 +15,7 @@ config class.
 What the rest of parallama asks of a family (see models/llama/ for the reference):
 - the config: a dataclass that checks itself when built (ValueError naming the `model.<key>`), with
   `num_params()`, `flops_per_token(seq_len)`, `tied_parameters()`, `block_params()` (one block's matmul and
-  norm parameters) and the fields of a Llama-style decoder that parallama-plan reads (`vocab_size`,
+  norm parameters), `attention_activations()` (what one block's attention saves per token) and the fields of a Llama-style decoder that parallama-plan reads (`vocab_size`,
   `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
   `head_dim`, `max_position_embeddings`);
 - the model: `model(config)`, whose parameters are named as in the family's Hugging Face checkpoints,

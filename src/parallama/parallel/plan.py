@@ -131,9 +131,9 @@ def activation_bytes(
 
     Per layer and token, Korthikanti et al.'s 34h (GPT, 16-bit, with dropout) becomes, for a Llama block with
     fused (flash) attention, no dropout and a SwiGLU MLP of width i:
-    2 norm inputs (residual stream) + q/k/v-projection input h, rotated q q and k kv, v kv, attention output
-    q, MLP input h, gate, silu(gate), up and their product 4i (q = heads x head_dim, h for a Llama; kv = key/value
-    heads x head_dim; a family's per-head q/k norms (models/qwen3) add their inputs, not counted). No s^2 term: fused attention saves only the
+    2 norm inputs (residual stream) + q/k/v-projection input h, what attention saves (the config's
+    `attention_activations`: rotated q and k, v, attention output; a Qwen3's q/k norm inputs too), MLP input h,
+    gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
     log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
     The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
 
@@ -143,9 +143,8 @@ def activation_bytes(
     `head=False`: the blocks only (a pipeline stage without the head).
     """
     h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     residual = h * e_res // (tp if sequence_parallel else 1)
-    block = 2 * residual + 2 * h * e + (2 * q + 2 * kv + 4 * i) * e // tp
+    block = 2 * residual + 2 * h * e + (c.attention_activations() + 4 * i) * e // tp
     layers = c.num_hidden_layers * residual + block if checkpointing else c.num_hidden_layers * block
     logits = v // tp * (e + 4 + (4 if e != 4 else 0))
     return tokens * (layers + (residual + h * e + logits if head else 0))

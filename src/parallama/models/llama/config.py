@@ -128,6 +128,12 @@ class LlamaConfig:
         )
         return 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size, 2 * d
 
+    def attention_activations(self) -> int:
+        """Elements per token one block's attention saves for backward between its column- and row-parallel
+        projections (parallama-plan; tensor parallelism splits them): rotated q and k, v, the attention output."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return 2 * q + 2 * kv
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training (forward + backward) FLOPs per token as PaLM / torchtitan count them: 6 per
         non-embedding parameter plus attention over ``seq_len`` keys, causal masking not discounted."""

@@ -34,6 +34,10 @@ class Qwen3Config(LlamaConfig):
         matmuls, norms = super().block_params()
         return matmuls, norms + 2 * self.head_dim  # q_norm, k_norm: one weight of head_dim each
 
+    def attention_activations(self) -> int:
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return super().attention_activations() + q + kv  # the q/k norms' inputs
+
 
 # Hugging Face folders through the Llama's hf.py: it takes the family (model_type, tensors) from the config class
 HF = dict(hf_path="parallama.models.llama.hf", hf_model_type=Qwen3Config.hf_model_type)

@@ -166,6 +166,20 @@ SMALL_LLAMA = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_rank_mesh(tmp_path_factory):
+    """A 1-rank gloo process group for the test module, and the ParallelDims mesh on it (every dimension of size
+    1): the DTensor code paths (tensor parallel plans, FSDP2) in the test's own process."""
+    import torch.distributed as dist
+
+    from parallama.parallel.dims import ParallelDims
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield ParallelDims().build_mesh("cpu")
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

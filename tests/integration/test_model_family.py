@@ -94,12 +94,12 @@ def test_a_family_outside_parallama_trains_resumes_and_generates(tmp_path, data_
 
 
 def test_an_unknown_family_is_one_line():
-    assert families() == ["llama"]
+    assert families() == ["llama", "qwen3"]
     try:
         model_spec({"family": "gpt9"})
     except ConfigError as err:
         assert str(err) == (
-            "model.family=gpt9 is not a model family; valid: llama (or the module path of one outside parallama)"
+            "model.family=gpt9 is not a model family; valid: llama, qwen3 (or the module path of one outside parallama)"
         )
     else:
         raise AssertionError("no error")

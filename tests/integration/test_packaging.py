@@ -27,6 +27,9 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     for conf in ("train.yaml", "eval.yaml", "data/source/files.yaml", "strategy/fsdp.yaml"):
         assert f"parallama/conf/{conf}" in names
     assert not [n for n in names if "/local/" in n]
+    # every package of the source tree (a model family's folder too: pyproject lists them one by one)
+    packages = [p.parent.relative_to(ROOT / "src") for p in (ROOT / "src" / "parallama").rglob("__init__.py")]
+    assert [str(p) for p in packages if f"{p.as_posix()}/__init__.py" not in names] == []
 
     target = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", target, wheel], check=True)

@@ -34,6 +34,8 @@ CASES = [  # (overrides, what the one line must say)
     (["model.hidden_size=-128"], "model.hidden_size=-128 must be a positive int"),
     (["model.rms_norm_eps=-1"], "model.rms_norm_eps=-1 must be > 0"),
     (["model.rope_theta=0"], "model.rope_theta=0 must be > 0"),
+    (["model=qwen3_tiny", "model.head_dim=47"], "model.head_dim=47 must be even (rope)"),
+    (["+model.head_dim=48"], "LlamaConfig.__init__() got an unexpected keyword argument 'head_dim'"),
     (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_position_embeddings=1024"),
     (["data.seq_len=0"], "data.seq_len=0 is not valid; use an integer >= 1"),
     (["data.batch_size=0"], "data.batch_size=0 is not valid; use an integer >= 1"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -25,14 +24,6 @@ CONFIG = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield ParallelDims().build_mesh("cpu")
-    dist.destroy_process_group()
 
 
 def sharded(mesh, *, sequence_parallel: bool, tie: bool = False):
@@ -55,10 +46,12 @@ def batch():
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_parallel_loss_and_clipping_over_several_meshes_match_the_plain_model(mesh, sequence_parallel):
+def test_parallel_loss_and_clipping_over_several_meshes_match_the_plain_model(
+    one_rank_mesh, sequence_parallel
+):
     from torch.distributed.tensor.parallel import loss_parallel
 
-    plain, model = sharded(mesh, sequence_parallel=sequence_parallel)
+    plain, model = sharded(one_rank_mesh, sequence_parallel=sequence_parallel)
     meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
     if not sequence_parallel:  # norms: FSDP's 1-D DTensors; TP weights: 2-D (dp_shard, tp)
         assert meshes == {("dp_shard",), ("dp_shard", "tp")}
@@ -78,8 +71,8 @@ def test_parallel_loss_and_clipping_over_several_meshes_match_the_plain_model(me
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
 
-def test_inference_sees_full_logits_and_a_full_copy_generates_alike(mesh):
-    plain, model = sharded(mesh, sequence_parallel=False, tie=True)
+def test_inference_sees_full_logits_and_a_full_copy_generates_alike(one_rank_mesh):
+    plain, model = sharded(one_rank_mesh, sequence_parallel=False, tie=True)
     assert model.lm_head.weight is model.embed_tokens.weight  # tied embeddings stay one parameter
     x, _ = batch()
     with torch.no_grad():

@@ -132,7 +132,7 @@ def load_model(ckpt_path: str | None = None, model_dir: str | None = None):
 
     if model_dir is not None:
         spec = spec_for_hf_folder(model_dir)
-        model = spec.model(spec.hf.load_hf_config(model_dir))
+        model = spec.model(spec.hf.load_hf_config(model_dir, spec.config))
         spec.hf.load_hf_weights(model, model_dir)
         return model, from_pretrained(model_dir)
     ckpt = load_checkpoint(ckpt_path)

@@ -5,17 +5,27 @@ a family outside this package is given by its module path (`family: mypackage.mo
 family is one folder (its `__init__` with the config and SPEC, `model.py`, `parallelize.py`, and `hf.py` for
 Hugging Face folders) plus one conf/model file.
 
+A family shaped like the Llama reuses its parts instead of copying them (models/qwen3, the worked example): its
+config subclasses `LlamaConfig` (fields, `check_head_dim`, `block_params`, `attention_activations`,
+`layer_weights`, `hf_model_type`, `hf_architecture`), its model subclasses `Llama` and replaces a part by class attribute (`Llama.decoder_layer`,
+`DecoderLayer.attention`, `DecoderLayer.feed_forward`, `Attention.project`), its parallelize plan is the Llama's
+with its own `block_plan`, and its SPEC points `hf_path` at the Llama's hf.py, which takes the family from the
+config class.
+
 What the rest of parallama asks of a family (see models/llama/ for the reference):
 - the config: a dataclass that checks itself when built (ValueError naming the `model.<key>`), with
-  `num_params()`, `flops_per_token(seq_len)`, `tied_parameters()` and the fields of a Llama-style decoder that
-  parallama-plan reads (`vocab_size`, `hidden_size`, `intermediate_size`, `num_hidden_layers`,
-  `num_key_value_heads`, `head_dim`, `max_position_embeddings`);
+  `num_params()`, `flops_per_token(seq_len)`, `tied_parameters()`, `block_params()` (one block's matmul and
+  norm parameters), `attention_activations()` (what one block's attention saves per token) and the fields of a Llama-style decoder that parallama-plan reads (`vocab_size`,
+  `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`,
+  `head_dim`, `max_position_embeddings`);
 - the model: `model(config)`, whose parameters are named as in the family's Hugging Face checkpoints,
   `forward(input_ids, attention_mask=None, *, position_ids=None, document_ids=None, input_pos=None,
   kv_cache=None) -> logits`, `init_weights()`, `new_kv_cache(batch, max_len)` (see `models.generation`);
-- `parallelize(model, options)`: apply the strategy's `parallel.ParallelizeOptions` in the documented order;
-- optionally, HF conversion (export, init_from, generating from an exported folder): `save_hf_folder`,
-  `load_hf_config`, `load_hf_weights`, and the `hf_model_type` of the folders it reads.
+- `parallelize(model, options)`: apply the strategy's `parallel.ParallelizeOptions` in the documented order; a
+  parameter its tensor-parallel plan does not cover is refused in one line, never trained as a plain tensor;
+- optionally, HF conversion (export, init_from, generating from an exported folder): `save_hf_folder` (refusing
+  a tensor the family's HF checkpoint has no place for, or lacks), `load_hf_config(path, config_class)`,
+  `load_hf_weights(model, path)`, and the `hf_model_type` of the folders it reads.
 """
 
 from __future__ import annotations

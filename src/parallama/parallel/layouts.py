@@ -4,7 +4,7 @@ dp_shard, tp, pp, cp), and the search for the first layout that fits.
 What each dimension divides (states in `plan.state_bytes`' fsdp engine: fp32 params, grads and AdamW moments,
 bf16 compute copies):
 - tp: the block matmuls (q/k/v/o, gate/up/down) and, vocab-parallel, the embedding and the head; never the
-  norms. Activations inside attention and the MLP (rotated q, k, v, attention output, gate/up and their product)
+  norms (a family's per-head q/k norms included). Activations inside attention and the MLP (rotated q, k, v, attention output, gate/up and their product)
   and the logits (the loss is vocab-parallel). Sequence parallel adds the residual stream (the norms' inputs);
   the inputs of the q/k/v and gate/up projections are all-gathered and saved whole (DTensor's
   `PrepareModuleInput`, not Megatron's re-gather in backward), so they are never divided.
@@ -53,9 +53,10 @@ class Layout:
 
 
 def _block(c, tp: int) -> tuple[int, int]:
-    """Parameters of one decoder block a tp rank holds: (the matmuls' share, the norms)."""
-    h, kv, i = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
-    return (2 * h * h + 2 * h * kv + 3 * h * i) // tp, 2 * h
+    """Parameters of one decoder block a tp rank holds: (the matmuls' share, the norms), as the family's config
+    counts them (`block_params`: a family's head_dim and extra norms included)."""
+    matmuls, norms = c.block_params()
+    return matmuls // tp, norms
 
 
 def _root(c, dims: ParallelDims) -> int:

@@ -131,8 +131,9 @@ def activation_bytes(
 
     Per layer and token, Korthikanti et al.'s 34h (GPT, 16-bit, with dropout) becomes, for a Llama block with
     fused (flash) attention, no dropout and a SwiGLU MLP of width i:
-    2 norm inputs (residual stream) + q/k/v-projection input h, rotated q h and k kv, v kv, attention output
-    h, MLP input h, gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
+    2 norm inputs (residual stream) + q/k/v-projection input h, what attention saves (the config's
+    `attention_activations`: rotated q and k, v, attention output; a Qwen3's q/k norm inputs too), MLP input h,
+    gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
     log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
     The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
 
@@ -141,9 +142,9 @@ def activation_bytes(
     the residual stream. The projections' inputs (and the head's) are gathered whole under either.
     `head=False`: the blocks only (a pipeline stage without the head).
     """
-    h, kv, i, v = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
     residual = h * e_res // (tp if sequence_parallel else 1)
-    block = 2 * residual + 2 * h * e + (2 * h + 2 * kv + 4 * i) * e // tp
+    block = 2 * residual + 2 * h * e + (c.attention_activations() + 4 * i) * e // tp
     layers = c.num_hidden_layers * residual + block if checkpointing else c.num_hidden_layers * block
     logits = v // tp * (e + 4 + (4 if e != 4 else 0))
     return tokens * (layers + (residual + h * e + logits if head else 0))

@@ -14,7 +14,26 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_m
 
 @dataclass
 class LlamaConfig:
-    """Model hyperparameters, with Hugging Face ``LlamaConfig`` field names."""
+    """Model hyperparameters, with Hugging Face ``LlamaConfig`` field names.
+
+    A family shaped like the Llama subclasses it (models/qwen3): its fields, `check_head_dim`, `block_params`
+    and `layer_weights` say how its blocks differ; the HF names (`hf_model_type`, `hf_architecture`) are class
+    attributes, not fields."""
+
+    hf_model_type = "llama"  # config.json's model_type
+    hf_architecture = "LlamaForCausalLM"
+    # One block's tensors in a HF checkpoint (`model.layers.<i>.<name>.weight`), our names without `.weight`
+    layer_weights = (
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -42,13 +61,10 @@ class LlamaConfig:
                 raise ValueError(f"model.{f.name}={value!r} must be a positive int")
             if kind == "float" and not value > 0:
                 raise ValueError(f"model.{f.name}={value!r} must be > 0")
-        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
-        if h % nh:
-            raise ValueError(f"model.num_attention_heads={nh} must divide model.hidden_size={h}")
+        self.check_head_dim()
+        nh, nkv = self.num_attention_heads, self.num_key_value_heads
         if nh % nkv:
             raise ValueError(f"model.num_key_value_heads={nkv} must divide model.num_attention_heads={nh}")
-        if (hd := self.head_dim) % 2:
-            raise ValueError(f"model.hidden_size/model.num_attention_heads={hd} must be even (rope)")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type != "llama3":
@@ -58,7 +74,15 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
+        """The Llama's is hidden_size / num_attention_heads (a family may make it a field: models/qwen3)."""
         return self.hidden_size // self.num_attention_heads
+
+    def check_head_dim(self) -> None:
+        h, nh = self.hidden_size, self.num_attention_heads
+        if h % nh:
+            raise ValueError(f"model.num_attention_heads={nh} must divide model.hidden_size={h}")
+        if (hd := self.head_dim) % 2:
+            raise ValueError(f"model.hidden_size/model.num_attention_heads={hd} must be even (rope)")
 
     def tied_parameters(self) -> dict[str, str]:
         """Parameters that are another one (name -> the name stored): the output head with tied embeddings."""
@@ -67,8 +91,15 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict:
         """Fields for a HF ``config.json``; callers add bos/eos token ids."""
         d = {k: v for k, v in asdict(self).items() if v is not None}  # rope_scaling=None: default rope
-        hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
+        hf = dict(architectures=[self.hf_architecture], model_type=self.hf_model_type, hidden_act="silu")
         return {**hf, "attention_bias": False, "mlp_bias": False, "head_dim": self.head_dim, **d}
+
+    def hf_keys(self) -> set[str]:
+        """The tensors of this model's Hugging Face checkpoint (what export writes and transformers loads)."""
+        layers = range(self.num_hidden_layers)
+        keys = {f"model.layers.{i}.{name}.weight" for i in layers for name in self.layer_weights}
+        keys |= {"model.embed_tokens.weight", "model.norm.weight"}
+        return keys if self.tie_word_embeddings else keys | {"lm_head.weight"}
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> LlamaConfig:
@@ -83,10 +114,25 @@ class LlamaConfig:
     def num_params(self, non_embedding: bool = False) -> int:
         """Exact parameter count. ``non_embedding`` drops the token-embedding table but keeps
         ``lm_head`` (its matmul costs FLOPs); a tied table is counted once, as ``lm_head``."""
-        d, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        layer = 2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size + 2 * d
+        d = self.hidden_size
         n_tables = 1 if self.tie_word_embeddings or non_embedding else 2
-        return self.num_hidden_layers * layer + d + n_tables * self.vocab_size * d
+        return self.num_hidden_layers * sum(self.block_params()) + d + n_tables * self.vocab_size * d
+
+    def block_params(self) -> tuple[int, int]:
+        """One decoder block's parameters: (its matmuls, which tensor parallelism splits; its norms, which it
+        replicates)."""
+        d, q, kv = (
+            self.hidden_size,
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+        )
+        return 2 * d * q + 2 * d * kv + 3 * d * self.intermediate_size, 2 * d
+
+    def attention_activations(self) -> int:
+        """Elements per token one block's attention saves for backward between its column- and row-parallel
+        projections (parallama-plan; tensor parallelism splits them): rotated q and k, v, the attention output."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return 2 * q + 2 * kv
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training (forward + backward) FLOPs per token as PaLM / torchtitan count them: 6 per

@@ -1,7 +1,10 @@
-"""Hugging Face Llama folders: write ours (config.json, model.safetensors, tokenizer files) and read theirs.
+"""Hugging Face folders of the Llama and of the families shaped like it (models/qwen3): write ours (config.json,
+model.safetensors, tokenizer files) and read theirs. The family is its config's class (`LlamaConfig` or a
+subclass): it names the folder's model_type and architecture and the tensors its checkpoints hold.
 
 Key mapping: HF `LlamaForCausalLM` keys are ours with a `model.` prefix, except `lm_head.weight`. With
-tied embeddings HF stores no lm_head (it ties on load), so we skip it on export and tie on import.
+tied embeddings HF stores no lm_head (it ties on load), so we skip it on export and tie on import. A tensor the
+family's HF checkpoint does not have (or lacks) is refused: transformers would drop (or re-initialize) it.
 """
 
 from __future__ import annotations
@@ -36,15 +39,31 @@ def _umask() -> int:
 def save_hf_folder(
     out_dir: str | os.PathLike, state_dict: dict[str, Tensor], config: LlamaConfig, tokenizer_json: str | None
 ) -> None:
-    """A folder that `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load as is."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """A folder that `AutoModelForCausalLM.from_pretrained` (the config's `hf_architecture`) and
+    `AutoTokenizer.from_pretrained` load as is; a state dict that does not map onto that checkpoint's tensors
+    exactly is one line naming the tensor, before anything is written."""
     tied = config.tie_word_embeddings
-    tensors = {
-        k if k == "lm_head.weight" else f"model.{k}": v.detach().float().contiguous().cpu()
-        for k, v in state_dict.items()
+    names = {
+        k if k == "lm_head.weight" else f"model.{k}": k
+        for k in state_dict
         if not (tied and k == "lm_head.weight")
     }
+    family, expected = f"a {config.hf_architecture} checkpoint", config.hf_keys()
+    if extra := sorted(names.keys() - expected):
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConfigError(
+            f"export: the model's {names[extra[0]]}{more} has no place in {family} (transformers would drop it "
+            f"silently); the family's HF mapping ({type(config).__name__}.hf_keys) does not cover it"
+        )
+    if missing := sorted(expected - names.keys()):
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"export: the model has no {missing[0]}{more}, which {family} holds (transformers would "
+            "initialize it at random)"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {hf: state_dict[k].detach().float().contiguous().cpu() for hf, k in names.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o666 & ~_umask())  # safetensors leaves its temp file's 0600
     ids = {}
@@ -69,18 +88,24 @@ def save_hf_folder(
     _write_json(out / "generation_config.json", ids)
 
 
-def load_hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """Our config from a HF Llama folder's config.json; errors on variants this model cannot represent."""
+def load_hf_config(path: str | os.PathLike, config_class: type[LlamaConfig] = LlamaConfig) -> LlamaConfig:
+    """Our config (of the family's `config_class`) from a HF folder's config.json; errors on variants this model
+    cannot represent."""
     file = Path(path, "config.json")
+    kind = config_class.hf_model_type
     if not file.is_file():
-        raise ConfigError(f"init_from={path} has no config.json; expected a Hugging Face Llama folder")
+        raise ConfigError(f"init_from={path} has no config.json; expected a Hugging Face {kind} folder")
     d = json.loads(file.read_text())
-    if d.get("model_type", "llama") != "llama":
-        raise ConfigError(f"init_from={path} has model_type={d['model_type']!r}; only 'llama' is supported")
-    for key in ("attention_bias", "mlp_bias"):
+    if d.get("model_type", kind) != kind:
+        raise ConfigError(f"init_from={path} has model_type={d['model_type']!r}; this family reads {kind!r}")
+    for key, why in [
+        ("attention_bias", "has no biases"),
+        ("mlp_bias", "has no biases"),
+        ("use_sliding_window", "attends to every earlier token"),
+    ]:
         if d.get(key):
-            raise ConfigError(f"init_from={path} has {key}=true; this model has no biases")
-    config = LlamaConfig.from_hf_dict(d)
+            raise ConfigError(f"init_from={path} has {key}=true; this model {why}")
+    config = config_class.from_hf_dict(d)
     if d.get("head_dim") not in (None, config.head_dim):
         raise ConfigError(
             f"init_from={path} has head_dim={d['head_dim']} but hidden_size/num_attention_heads={config.head_dim}"
@@ -100,9 +125,10 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_hf_weights(model: Llama, path: str | os.PathLike) -> None:
-    """Copy a HF Llama folder's weights into `model`, whose config must match the folder's."""
-    theirs = load_hf_config(path)
-    for f in fields(LlamaConfig):
+    """Copy a HF folder's weights into `model`, whose config must match the folder's (read as the model's config
+    class: its family's model_type and fields)."""
+    theirs = load_hf_config(path, type(model.config))
+    for f in fields(theirs):
         if f.name != "initializer_range" and getattr(theirs, f.name) != getattr(model.config, f.name):
             raise ConfigError(
                 f"init_from={path} has {f.name}={getattr(theirs, f.name)} but model.{f.name}="

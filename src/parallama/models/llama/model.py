@@ -103,12 +103,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values, each (B, T, heads, head_dim) (the heads this rank holds under tensor
+        parallelism), before rope: the step a family changes (models/qwen3 normalizes q and k here)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        return q, k, v
+
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
         """``attn_mask=None`` means plain causal attention (SDPA's fast path); a ``BlockMask`` runs FlexAttention."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x))  # (B, heads, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(input_pos, k, v)
@@ -137,14 +144,21 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. Tensors (or None) in, tensor out, so that FSDP, torch.compile and
-    activation checkpointing can each wrap one layer."""
+    activation checkpointing can each wrap one layer.
+
+    Its parts are class attributes, so that a family that differs in one of them subclasses and replaces it
+    (models/qwen3: `attention = Qwen3Attention`) instead of copying this file. They are not named `self_attn`
+    and `mlp`: those are the modules built from them, named as in Hugging Face checkpoints."""
+
+    attention: type[nn.Module] = Attention
+    feed_forward: type[nn.Module] = MLP
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.feed_forward(config)
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, input_pos)
@@ -152,12 +166,18 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
+    """The decoder: embedding, `num_hidden_layers` blocks of `decoder_layer` (a family replaces it by
+    subclassing), final norm, head."""
+
+    decoder_layer: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # Keyed by index, not a list: a pipeline stage that keeps layers 4-7 still names them layers.4-7.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        layers = {str(i): self.decoder_layer(config) for i in range(config.num_hidden_layers)}
+        self.layers = nn.ModuleDict(layers)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)

@@ -19,6 +19,7 @@ bare model.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -32,17 +33,19 @@ from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: Llama, options: ParallelizeOptions) -> Llama:
+def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockPlan | None = None) -> Llama:
     """Pipeline stages first (the split; the rest then applies to each stage), then tensor parallel, then
-    activation checkpointing, then compile, then FSDP (sharding wraps what runs)."""
+    activation checkpointing, then compile, then FSDP (sharding wraps what runs). `block_plan`: a family's
+    tensor-parallel plan of one block (default `tp_block_plan`; models/qwen3 adds its q/k norms)."""
     if options.pipeline is not None:
-        return parallelize_pipeline(model, options)
+        return parallelize_pipeline(model, options, block_plan=block_plan)
     if options.dims.tp > 1:
         apply_tp(
             model,
             options.mesh["tp"],
             sequence_parallel=options.sequence_parallel,
             loss_parallel=options.loss_parallel,
+            block_plan=block_plan or tp_block_plan,
         )
     if options.activation_checkpointing:
         apply_ac(model)
@@ -68,7 +71,60 @@ def data_parallel_mesh(options: ParallelizeOptions):
     return with_cp(options.mesh, options.dims)
 
 
-def apply_tp(model: Llama, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+# A plan's value for a module whose parameters stay plain tensors, whole on every tp rank: only correct where its
+# input is whole on every rank too (the norms between blocks without sequence parallel), so that every rank
+# computes the same gradient.
+REPLICATED = "replicated"
+# A family's plan of one block: (sequence_parallel=, between=) -> {module name in the block: style or REPLICATED}
+BlockPlan = Callable[..., dict]
+
+
+def tp_block_plan(*, sequence_parallel: bool, between) -> dict:
+    """The Llama block's tensor-parallel plan (see `apply_tp`); `between`: the residual stream's layout between
+    blocks (Shard(1) under sequence parallel, else Replicate())."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "input_layernorm": REPLICATED,
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+        "post_attention_layernorm": REPLICATED,
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        # attention(x, cos, sin, mask, kv_cache, input_pos): only x is split, and gathered on entry.
+        rest = (None,) * 5
+        plan["input_layernorm"] = SequenceParallel()
+        plan["self_attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), *rest),
+            desired_input_layouts=(Replicate(), *rest),
+            use_local_output=True,
+        )
+        plan["post_attention_layernorm"] = SequenceParallel()
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+def apply_tp(
+    model: Llama,
+    mesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    block_plan: BlockPlan = tp_block_plan,
+) -> None:
     """Megatron-style tensor parallelism over `mesh` (1-D, the tp ranks), torchtitan's plan for Llama.
 
     Per block: q/k/v and gate/up column-wise (each rank computes its share of the heads and of the MLP's width,
@@ -81,11 +137,13 @@ def apply_tp(model: Llama, mesh, *, sequence_parallel: bool = False, loss_parall
     split on it (activation memory / tp); attention and MLP gather it at their input (all-gather) and
     reduce-scatter at their output. Needs the sequence length to divide by tp (training and validation; not
     token-by-token decoding, see ModelParallel.inference_model).
+
+    `block_plan` gives each block's plan (a family's own: models/qwen3). Every parameter must then be a DTensor
+    on `mesh` or one the plan keeps `REPLICATED`: one it does not cover is refused (`check_tp_plan_covers`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -100,35 +158,32 @@ def apply_tp(model: Llama, mesh, *, sequence_parallel: bool = False, loss_parall
             use_local_output=not loss_parallel,
         ),
     }
-    if sequence_parallel:
-        root["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, root)
+    root["norm"] = SequenceParallel() if sequence_parallel else REPLICATED
+    replicated = {name for name, style in root.items() if style is REPLICATED}
+    parallelize_module(model, mesh, {k: v for k, v in root.items() if k not in replicated})
     if model.config.tie_word_embeddings:  # both are Shard(0) on the vocabulary: one parameter again
         model.lm_head.weight = model.embed_tokens.weight
-    for block in model.layers.values():
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=between),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=between),
-        }
-        if sequence_parallel:
-            # attention(x, cos, sin, mask, kv_cache, input_pos): only x is split, and gathered on entry.
-            rest = (None,) * 5
-            plan["input_layernorm"] = SequenceParallel()
-            plan["self_attn"] = PrepareModuleInput(
-                input_layouts=(Shard(1), *rest),
-                desired_input_layouts=(Replicate(), *rest),
-                use_local_output=True,
+    for key, block in model.layers.items():
+        plan = block_plan(sequence_parallel=sequence_parallel, between=between)
+        replicated |= {f"layers.{key}.{name}" for name, style in plan.items() if style is REPLICATED}
+        parallelize_module(block, mesh, {k: v for k, v in plan.items() if v is not REPLICATED})
+    check_tp_plan_covers(model, mesh, replicated, f"{block_plan.__module__}.{block_plan.__qualname__}")
+
+
+def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str], plan: str = "") -> None:
+    """Every parameter is a DTensor on the tp `mesh` or belongs to a module the plan keeps `REPLICATED`: a
+    parameter the plan missed would be a plain tensor that each rank updates from its own share of the
+    activations (a model that is not the one-process model, silently), so it is one line naming it."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        covered = isinstance(param, DTensor) and param.device_mesh == mesh
+        if not covered and name.rpartition(".")[0] not in replicated:
+            raise ConfigError(
+                f"strategy.tp={mesh.size()}: the model's {name} is not covered by the tensor-parallel plan "
+                f"{plan} (each rank would train its own copy from its share of the activations); add its module "
+                "to the family's block plan (its SPEC's parallelize) or use strategy.tp=1"
             )
-            plan["post_attention_layernorm"] = SequenceParallel()
-            plan["mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            )
-        parallelize_module(block, mesh, plan)
 
 
 def apply_ac(model: Llama) -> None:
@@ -242,7 +297,9 @@ def pipeline_stage(model: Llama, layers: list[str], *, first: bool, last: bool) 
     return stage
 
 
-def parallelize_pipeline(model: Llama, options: ParallelizeOptions) -> Llama:
+def parallelize_pipeline(
+    model: Llama, options: ParallelizeOptions, *, block_plan: BlockPlan | None = None
+) -> Llama:
     """Split `model` into this pp rank's stages (the rank's coordinate on the mesh's `pp` dimension), then apply
     the rest of the plan to each stage, as torchtitan's `pipeline_llm` does. Returns `model` pruned to the rank's
     stages, with `pipeline_stages`: [(stage index, stage module)] for parallel.pipeline.Pipeline.
@@ -257,7 +314,7 @@ def parallelize_pipeline(model: Llama, options: ParallelizeOptions) -> Llama:
     if options.fsdp is not None and pipeline.schedule in ZERO_BUBBLE:
         stage_options = replace(stage_options, fsdp=replace(options.fsdp, reshard_after_forward=False))
     for stage in stages:
-        parallelize(stage, stage_options)
+        parallelize(stage, stage_options, block_plan=block_plan)
     model.pipeline_stages = list(zip(ids, stages))
     return model
 

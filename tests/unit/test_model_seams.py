@@ -1,0 +1,78 @@
+"""The Llama at its seams: its parts are class attributes a family replaces without copying the model, and the
+two places that must cover every parameter or refuse in one line: the Hugging Face export and the
+tensor-parallel plan (a 1-rank gloo mesh here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallama.errors import ConfigError
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.hf import save_hf_folder
+from parallama.models.llama.model import Attention, DecoderLayer, Llama
+from parallama.models.llama.parallelize import apply_tp
+
+SHAPE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def one_line(excinfo, *needles):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+def test_export_refuses_a_parameter_the_hf_mapping_does_not_know(tmp_path):
+    """transformers drops a tensor its model has no place for (logits off, silently): export refuses it."""
+    model = Llama(LlamaConfig(**SHAPE))
+    model.layers["1"].self_attn.register_parameter("scale", nn.Parameter(torch.ones(4)))
+    with pytest.raises(ConfigError) as excinfo:
+        save_hf_folder(tmp_path / "hf", model.state_dict(), model.config, None)
+    one_line(excinfo, "layers.1.self_attn.scale", "LlamaForCausalLM")
+    assert not (tmp_path / "hf").exists()
+    state = Llama(LlamaConfig(**SHAPE)).state_dict()
+    del state["layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ConfigError) as excinfo:
+        save_hf_folder(tmp_path / "hf", state, model.config, None)
+    one_line(excinfo, "model.layers.0.mlp.up_proj.weight", "initialize it at random")
+
+
+def test_a_parameter_the_tp_plan_does_not_cover_is_refused(one_rank_mesh):
+    model = Llama(LlamaConfig(**SHAPE))
+    model.layers["1"].mlp.register_parameter("gain", nn.Parameter(torch.ones(64)))
+    with pytest.raises(ConfigError) as excinfo:
+        apply_tp(model, one_rank_mesh["tp"])
+    one_line(excinfo, "layers.1.mlp.gain", "tensor-parallel plan")
+    apply_tp(Llama(LlamaConfig(**SHAPE)), one_rank_mesh["tp"])  # the Llama's own plan covers all of it
+
+
+def test_a_family_replaces_one_part_without_copying_the_model():
+    class Scaled(Attention):
+        def project(self, x):
+            q, k, v = super().project(x)
+            return 2 * q, k, v
+
+    class Layer(DecoderLayer):
+        attention = Scaled
+
+    class Model(Llama):
+        decoder_layer = Layer
+
+    torch.manual_seed(0)
+    model = Model(LlamaConfig(**SHAPE))
+    plain = Llama(LlamaConfig(**SHAPE))
+    plain.load_state_dict(model.state_dict())
+    assert (
+        isinstance(model.layers["0"].self_attn, Scaled)
+        and model.layers["0"].mlp.__class__ is DecoderLayer.feed_forward
+    )
+    ids = torch.randint(0, 320, (1, 12))
+    assert not torch.allclose(model(ids), plain(ids))

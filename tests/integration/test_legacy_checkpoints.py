@@ -8,6 +8,10 @@ Bit for bit only on a machine like the one that wrote them: CPU kernels round di
 sets (on an AVX-512 EPYC the continuation differs from the stored one by 1-2 float32 ulps, 3.7e-9 to 7.5e-9 on
 weights near 0.03). So weights are compared to ATOL, ~25 ulps: a checkpoint read wrongly (a lost optimizer moment,
 a shifted data position, another schedule) moves them by 1e-5 or more in these steps.
+
+`train/loss` is compared where one process wrote the checkpoint: the old code logged rank 0's own micro-batch loss
+under fsdp and deepspeed, today's the mean over the data-parallel replicas (what one process logs for the global
+batch), so their stored losses are other quantities; their weights and tokens seen are still compared.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def test_a_pre_reshape_checkpoint_resumes_exactly(name, tmp_path, data_cache):
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=ATOL, msg=key)
     with open(run_dir / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    losses = {r["step"]: float(r["train/loss"]) for r in rows}
-    assert losses == pytest.approx(reference["train_loss"], rel=0, abs=1e-6)
+    if "trainer.devices=1" in reference["overrides"]:
+        losses = {r["step"]: float(r["train/loss"]) for r in rows}
+        assert losses == pytest.approx(reference["train_loss"], rel=0, abs=1e-6)
     assert float(rows[-1]["train/tokens_seen"]) == reference["tokens_seen"]

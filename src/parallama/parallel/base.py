@@ -7,8 +7,8 @@ A strategy class declares:
   from the world size;
 - `model_init_context` / `init_weights` / `parallelize_options`: how the model is built (meta device, ZeRO-3
   partitioned) and what the model family's own plan (models/<family>/parallelize.py) applies to it;
-- `compute_loss` / `inference_model`: the loss of a batch and the model generation runs on, where the layout
-  needs more than a forward pass;
+- `pipeline`, `cp_mesh`, `loss_context`: what its layout adds to a training step (the step itself, forward, loss
+  and backward, is `CausalLM.step_loss` / `backward`), and `inference_model`: the model generation runs on;
 - `build_optimizer`: the recipe's optimizer, built as configured (DeepSpeed's offload swaps in its CPU Adam);
 - `checkpoint_format`, `loads_natively` and `load_universal`: its checkpoint, and how it resumes any other
   strategy's (see checkpoint/universal.py).
@@ -96,9 +96,13 @@ class Parallelism:
             dims=self.dims, compile=compile, activation_checkpointing=activation_checkpointing
         )
 
-    def compute_loss(self, module, batch: dict) -> torch.Tensor:
-        """The batch's loss, the same on every rank (`module.loss(batch)`: a forward pass and cross-entropy)."""
-        return module.loss(batch)
+    # What a layout adds to a training step (CausalLM.step_loss runs it): none by default.
+    pipeline = None  # parallel.pipeline.Pipeline: this rank's stages and their schedule
+    cp_mesh = None  # the context-parallel mesh: each rank holds part of every sequence
+
+    def loss_context(self):
+        """Where the loss and its backward run (tensor parallel: the vocab-sharded loss)."""
+        return nullcontext()
 
     def inference_model(self, model):
         """The model that `models.generation.generate` runs on every rank (the end-of-run sample)."""

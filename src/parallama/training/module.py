@@ -17,6 +17,7 @@ from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
+from parallama.parallel.context import ContextParallelStep
 from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
 
 log = logging.getLogger("parallama")
@@ -54,6 +55,9 @@ class CausalLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
+        self.context_parallel = (
+            ContextParallelStep()
+        )  # the ring-attention context of a step, open until backward
 
     @property
     def parallelism(self) -> Parallelism:
@@ -97,19 +101,72 @@ class CausalLM(L.LightningModule):
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
         return self.loss_fn(logits, batch["labels"])
 
+    # --- the step: forward, loss and backward, one branch per kind of layout ----------------------------
+
+    def step_loss(self, batch: dict) -> torch.Tensor:
+        """The batch's loss under the run's layout. The strategy holds the mesh, the process groups and the
+        wrapped model; what each kind of layout adds to forward and backward is here:
+
+        - a pipeline (`strategy.pp` > 1): its schedule runs the forward over microbatches and, in training, the
+          backward too (`backward` then adds the gradients it kept); the loss comes back on every rank;
+        - context parallel (`strategy.cp` > 1): each rank's part of every sequence under ring attention, whose
+          context stays open until `backward` has run back through it;
+        - otherwise a forward pass and the recipe's loss; under tensor parallel on vocab-sharded logits
+          (`loss_context`: no rank gathers them)."""
+        layout = self.parallelism
+        if layout.pipeline is not None:
+            with layout.loss_context():
+                return layout.pipeline.loss(
+                    batch,
+                    train=self.training,
+                    accumulate=self.trainer.accumulate_grad_batches,
+                    parameters=self.parameters(),
+                    cp_mesh=layout.cp_mesh,
+                )
+        if layout.cp_mesh is not None:
+            return self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
+        with layout.loss_context():
+            return self.loss(batch)
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        """Lightning's hook, called by the precision plugin between its own pre- and post-backward steps."""
+        layout = self.parallelism
+        if layout.pipeline is not None:  # the schedule ran the backward inside step_loss
+            layout.pipeline.add_grads()
+            return
+        try:
+            with layout.loss_context():  # the vocab-parallel loss's backward needs it too
+                loss.backward(*args, **kwargs)
+        finally:
+            self.context_parallel.end()  # the ring attention's backward ran inside its context
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.parallelism.compute_loss(self, batch)
+        """Returns this rank's loss, whose gradient backward takes (strategies average gradients over the
+        data-parallel ranks); logs the mean over the data-parallel replicas, what one process logs for the global
+        batch."""
+        loss = self.step_loss(batch)
+        mean = self.replica_mean(loss)
         # Reading the loss waits for the GPU, so check on logging steps only (every step on CPU).
         check = self.device.type == "cpu" or self.global_step % self.trainer.log_every_n_steps == 0
-        if check and not torch.isfinite(loss):
+        if check and not torch.isfinite(mean):
             raise TrainingDiverged(
-                f"train/loss is {loss.item()} at step {self.global_step}: lower optimizer.lr or raise "
+                f"train/loss is {mean.item()} at step {self.global_step}: lower optimizer.lr or raise "
                 "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
         self.tokens_seen += batch["input_ids"].numel() * data_parallel(self.trainer)[0]
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", mean, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
+
+    def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of `loss` over the data-parallel replicas: every rank of one replica (its tensor, context and
+        pipeline ranks) holds the same value, so the sum over all ranks / world size."""
+        world = self.trainer.world_size
+        if world == 1:
+            return loss.detach()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        return total / world
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         """Asking the loop to stop at the run's last batch makes Lightning validate once more, so the final
@@ -137,7 +194,7 @@ class CausalLM(L.LightningModule):
                 group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss = self.parallelism.compute_loss(self, batch)
+        loss = self.step_loss(batch)
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:

@@ -20,7 +20,9 @@ def optimizer_factory(config: Mapping) -> partial:
     if "betas" in factory.keywords:  # a YAML list: torch's optimizers check for a tuple
         factory.keywords["betas"] = tuple(factory.keywords["betas"])
     if factory.keywords.get("fused", False) is None and not _takes(factory.func, "fused"):
-        del factory.keywords["fused"]  # null is "parallama's choice": no fused kernel where the class has none
+        del factory.keywords[
+            "fused"
+        ]  # null is "parallama's choice": no fused kernel where the class has none
     return factory
 
 

@@ -6,8 +6,8 @@ The model's own plan (models/<family>/parallelize.py) applies what `parallelize_
 Every parameter is a DTensor, so checkpoints are DCP folders keyed by parameter name as strategy=fsdp's: DCP
 reshards them into any other layout, and parallama-export / the universal path read them in one process.
 
-Seams kept for the pipeline and context dimensions: `compute_loss` (where a pipeline schedule or the context
-manager runs), `inference_model` and `parallelize_options`.
+What the pipeline and context dimensions add to a step: `pipeline` (the schedule), `cp_mesh` and `loss_context`,
+which `CausalLM.step_loss` and `backward` use; `inference_model` and `parallelize_options`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Literal
 
 import torch
 
-from parallama.parallel.context import ContextParallelStep
 from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
 from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
@@ -78,7 +77,6 @@ class ModelParallel(FSDP2):
             **kwargs,
         )
         self.sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
-        self._context_parallel = ContextParallelStep()
         self.sequence_parallel = sequence_parallel
         self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
             pp_schedule,
@@ -132,6 +130,10 @@ class ModelParallel(FSDP2):
             )
         return model
 
+    @property
+    def cp_mesh(self):
+        return self.mesh["cp"] if self.dims.cp > 1 else None
+
     def loss_context(self):
         """Cross-entropy on the vocab-sharded logits: no rank gathers the full (batch, seq, vocab) tensor."""
         if self.dims.tp == 1:
@@ -139,51 +141,6 @@ class ModelParallel(FSDP2):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
-
-    def compute_loss(self, module, batch: dict) -> torch.Tensor:
-        """The batch's loss; in training its value is the mean over the data-parallel replicas (what one
-        process on the whole global batch logs), its gradient this rank's own (FSDP averages the gradients).
-        With pp > 1 the pipeline schedule runs forward and, in training, backward too (`backward` then only
-        adds its gradients); its loss comes back on every rank of the pipeline."""
-        if self.pipeline is not None:
-            train, accumulate = module.training, module.trainer.accumulate_grad_batches
-            cp_mesh = self.mesh["cp"] if self.dims.cp > 1 else None
-            with self.loss_context():
-                loss = self.pipeline.loss(
-                    batch,
-                    train=train,
-                    accumulate=accumulate,
-                    parameters=module.parameters(),
-                    cp_mesh=cp_mesh,
-                )
-            if train and self.world_size > 1:  # every pp rank of a batch holds the same value
-                torch.distributed.all_reduce(loss)
-                loss = loss / self.world_size
-            return loss
-        if self.dims.cp > 1:  # context parallel: the sequence split over the cp ranks (parallel/context.py)
-            loss = self._context_parallel.loss(module, batch, self.mesh["cp"], self.loss_context())
-        else:
-            with self.loss_context():
-                loss = _full_tensor(module.loss(batch))
-        if not loss.requires_grad or self.world_size == 1:
-            return loss
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(
-            mean
-        )  # the tp (and cp) ranks of a batch hold the same value: sum / world = dp mean
-        return loss + (mean / self.world_size - loss.detach())
-
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self.pipeline is not None:  # done by the schedule; Lightning's hooks around backward still run
-            module = self.lightning_module
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self.pipeline.add_grads()
-            return self.precision_plugin.post_backward(closure_loss, module)
-        try:
-            with self.loss_context():  # the parallel cross-entropy's backward needs it too
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._context_parallel.end()  # the ring attention's backward ran inside the context
 
     def inference_model(self, model):
         """The model generation runs on, with full logits (sampling needs the whole vocabulary on every rank).

@@ -177,3 +177,31 @@ def test_adamw_is_fused_unless_fp16s_loss_scaler_unscales_after_clipping():
             partial(torch.optim.SGD), on_gpu=True, loss_scaled=False, clipping=False
         ).keywords
     )
+
+
+def test_clipping_goes_through_lightnings_hook_to_the_strategy():
+    """CausalLM.configure_gradient_clipping (Lightning's public hook) hands the clipping to the strategy, which
+    clips a fused AdamW under bf16-mixed (no loss scaler: true gradients), where Lightning's MixedPrecision
+    would refuse it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from parallama.parallel.strategies.ddp import SingleDevice
+
+    strategy = SingleDevice()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    weight = torch.nn.Parameter(torch.zeros(4))
+    weight.grad = torch.full((4,), 3.0)  # norm 6
+    optimizer = torch.optim.AdamW([weight], fused=True)
+    module = SimpleNamespace(parallelism=strategy)
+    CausalLM.configure_gradient_clipping(
+        module, optimizer, gradient_clip_val=1.5, gradient_clip_algorithm="norm"
+    )
+    assert weight.grad.norm().item() == pytest.approx(1.5)
+    CausalLM.configure_gradient_clipping(
+        module, optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="value"
+    )
+    assert weight.grad.max().item() == pytest.approx(0.5)
+    CausalLM.configure_gradient_clipping(module, optimizer, gradient_clip_val=None)  # no clipping
+    assert weight.grad.max().item() == pytest.approx(0.5)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from types import MethodType
 from typing import ClassVar
 
 import torch
@@ -113,13 +112,16 @@ class Parallelism:
         another one in its place (DeepSpeed's offload) overrides this, refusing in one line what it cannot run."""
         return factory(groups)
 
-    def setup_precision_plugin(self) -> None:
-        super().setup_precision_plugin()
+    def clip_gradients(self, optimizer, clip_val: float, algorithm) -> None:
+        """The clipping of `trainer.gradient_clip_val` (Lightning's `configure_gradient_clipping` hook, which
+        CausalLM hands here), through the precision plugin as Lightning does. bf16-mixed has no loss scaler: its
+        gradients are true ones when clipped, also those of a fused optimizer (the default on GPU), which
+        Lightning's MixedPrecision refuses to clip as it must under fp16's scaler."""
         plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            # bf16-mixed has no loss scaler: the gradients are true ones when clipped, also for a fused AdamW (the
-            # default on GPU), which Lightning's MixedPrecision refuses to clip as it must under fp16's scaler.
-            plugin.clip_gradients = MethodType(Precision.clip_gradients, plugin)
+        unscaled = isinstance(plugin, MixedPrecision) and plugin.scaler is None
+        (Precision.clip_gradients if unscaled else type(plugin).clip_gradients)(
+            plugin, optimizer, clip_val, algorithm
+        )
 
     # --- checkpoints ------------------------------------------------------------------------------------
 

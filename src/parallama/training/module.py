@@ -158,6 +158,12 @@ class CausalLM(L.LightningModule):
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Lightning's hook: the strategy clips (its gradients may be DTensors on several meshes, or a pipeline's
+        stages on other ranks)."""
+        if gradient_clip_val:
+            self.parallelism.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of `loss` over the data-parallel replicas: every rank of one replica (its tensor, context and
         pipeline ranks) holds the same value, so the sum over all ranks / world size."""

@@ -157,13 +157,13 @@ class ModelParallel(FSDP2):
 
     # --- gradient clipping ------------------------------------------------------------------------------
 
-    def setup_precision_plugin(self) -> None:
-        super().setup_precision_plugin()
-        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which cannot add up norms
-        # of DTensors that live on different meshes (TP's 2-D weights, FSDP's 1-D norms): clip with ours.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+    def clip_gradients(self, optimizer, clip_val: float, algorithm) -> None:
+        """By norm: torch's clip_grad_norm_ cannot add up norms of DTensors that live on different meshes (TP's 2-D
+        weights, FSDP's 1-D norms), and a pipeline's stages are on other ranks: ours does both."""
+        from lightning.pytorch.utilities import GradClipAlgorithmType
 
-    def _clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        if GradClipAlgorithmType(algorithm) != GradClipAlgorithmType.NORM:
+            return super().clip_gradients(optimizer, clip_val, algorithm)
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, group=pp_group)
 

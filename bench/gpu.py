@@ -67,7 +67,7 @@ def measure(
 
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
-    from parallama.models.llama.parallelize import apply_ac, apply_compile
+    from parallama.parallel.blocks import apply_ac, apply_compile
 
     v = {**BASELINE, **variant}
     batch *= v["batch"]

@@ -53,7 +53,7 @@ def _rank(rank: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallama.models.llama.parallelize import apply_fsdp
+    from parallama.parallel.blocks import apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)

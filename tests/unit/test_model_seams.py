@@ -76,3 +76,43 @@ def test_a_family_replaces_one_part_without_copying_the_model():
     )
     ids = torch.randint(0, 320, (1, 12))
     assert not torch.allclose(model(ids), plain(ids))
+
+
+def test_the_model_contract_is_checked_with_one_line_naming_what_is_missing():
+    """models/contract.py: a model without the blocks' keyed dict or the names of its ends, or a config without
+    what the planner reads, is refused when built, naming the members."""
+    from parallama.models import ModelSpec
+    from parallama.models.contract import DecoderModel, check_model
+
+    check_model(Llama(LlamaConfig(**SHAPE)), "llama")
+    assert isinstance(Llama(LlamaConfig(**SHAPE)), DecoderModel)
+
+    class Plain(nn.Module):  # a decoder written without the contract
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.blocks = config, nn.ModuleList()
+
+        def forward(self, input_ids):
+            return input_ids
+
+    with pytest.raises(ConfigError) as err:
+        check_model(Plain(LlamaConfig(**SHAPE)), "plain")
+    one_line(
+        err, "model.family=plain: Plain lacks", "init_weights", "input_modules", "layers", "new_kv_cache"
+    )
+
+    class BareConfig:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    spec = ModelSpec("bare", BareConfig, "x.Model", "x.parallelize")
+    with pytest.raises(ConfigError) as err:
+        spec.build_config(SHAPE)
+    one_line(
+        err,
+        "model.family=bare: BareConfig lacks",
+        "block_params",
+        "head_dim",
+        "num_params",
+        "tied_parameters",
+    )

@@ -194,7 +194,7 @@ def test_clipping_goes_through_lightnings_hook_to_the_strategy():
     weight = torch.nn.Parameter(torch.zeros(4))
     weight.grad = torch.full((4,), 3.0)  # norm 6
     optimizer = torch.optim.AdamW([weight], fused=True)
-    module = SimpleNamespace(parallelism=strategy)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy))
     CausalLM.configure_gradient_clipping(
         module, optimizer, gradient_clip_val=1.5, gradient_clip_algorithm="norm"
     )

@@ -14,8 +14,8 @@ from parallama.config.compose import preflight
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.models.llama.parallelize import pipeline_split, stage_layers
 from parallama.parallel.options import PipelineOptions
+from parallama.parallel.stages import pipeline_split, stage_layers
 
 
 def tiny(layers: int, vocab: int = 64, **kw) -> Llama:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from parallama.cli.plan import command, compose, main, plan
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.models.llama.parallelize import apply_ac
+from parallama.parallel.blocks import apply_ac
 from parallama.parallel.plan import estimate, profiles
 
 STRATEGIES = profiles()

@@ -12,7 +12,8 @@ config subclasses `LlamaConfig` (fields, `check_head_dim`, `block_params`, `atte
 with its own `block_plan`, and its SPEC points `hf_path` at the Llama's hf.py, which takes the family from the
 config class.
 
-What the rest of parallama asks of a family (see models/llama/ for the reference):
+What the rest of parallama asks of a family (see models/llama/ for the reference), typed in models/contract.py
+(`DecoderModel`, `ModelConfig`: checked when a config is read and a model built, one line naming what is missing):
 - the config: a dataclass that checks itself when built (ValueError naming the `model.<key>`), with
   `num_params()`, `flops_per_token(seq_len)`, `tied_parameters()`, `block_params()` (one block's matmul and
   norm parameters), `attention_activations()` (what one block's attention saves per token) and the fields of a Llama-style decoder that parallama-plan reads (`vocab_size`,
@@ -20,7 +21,9 @@ What the rest of parallama asks of a family (see models/llama/ for the reference
   `head_dim`, `max_position_embeddings`);
 - the model: `model(config)`, whose parameters are named as in the family's Hugging Face checkpoints,
   `forward(input_ids, attention_mask=None, *, position_ids=None, document_ids=None, input_pos=None,
-  kv_cache=None) -> logits`, `init_weights()`, `new_kv_cache(batch, max_len)` (see `models.generation`);
+  kv_cache=None) -> logits`, `init_weights()`, `new_kv_cache(batch, max_len)` (see `models.generation`), its
+  blocks in `layers` and the names of its `input_modules`, `output_modules` and `shared_modules`, by which
+  parallel/blocks.py and parallel/stages.py checkpoint, compile, shard and split any family;
 - `parallelize(model, options)`: apply the strategy's `parallel.ParallelizeOptions` in the documented order; a
   parameter its tensor-parallel plan does not cover is refused in one line, never trained as a plain tensor;
 - optionally, HF conversion (export, init_from, generating from an exported folder): `save_hf_folder` (refusing
@@ -75,13 +78,17 @@ class ModelSpec:
     def build_config(self, model: Mapping):
         """The family's config from a model config (conf/model or a checkpoint's hyper-parameters): a bad value
         or an unknown field is one line naming the key."""
+        from parallama.models.contract import check_config
+
         try:
-            return self.config(**{k: v for k, v in model.items() if k != "family"})
+            config = self.config(**{k: v for k, v in model.items() if k != "family"})
         except TypeError as err:  # an unknown field
             name = self.config.__name__
             raise ConfigError(f"model: {err}; valid fields are {name}'s (Hugging Face names)") from None
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        check_config(config, self.family)
+        return config
 
 
 def model_spec(model: Mapping) -> ModelSpec:

@@ -16,6 +16,7 @@ from parallama.config.parts import instantiate_part
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
+from parallama.models.contract import check_model
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
@@ -76,6 +77,7 @@ class CausalLM(L.LightningModule):
         strategy = self.parallelism
         with strategy.model_init_context():
             model = self.spec.model(self.config)
+        check_model(model, self.spec.family)
         strategy.init_weights(model)
         if self.hparams.init_from:
             strategy.load_pretrained(
@@ -159,10 +161,16 @@ class CausalLM(L.LightningModule):
         return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        """Lightning's hook: the strategy clips (its gradients may be DTensors on several meshes, or a pipeline's
-        stages on other ranks)."""
-        if gradient_clip_val:
-            self.parallelism.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a
+        pipeline's stages on other ranks); under a Lightning strategy of its own (bench/, notebooks) Lightning
+        clips."""
+        if not gradient_clip_val:
+            return
+        strategy = self.trainer.strategy
+        if isinstance(strategy, Parallelism):
+            strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of `loss` over the data-parallel replicas: every rank of one replica (its tensor, context and

@@ -170,6 +170,10 @@ class Llama(nn.Module):
     subclassing), final norm, head."""
 
     decoder_layer: type[nn.Module] = DecoderLayer
+    # The model contract's ends (models/contract.py): what a first / last pipeline stage holds, what every one does
+    input_modules = ("embed_tokens",)
+    output_modules = ("norm", "lm_head")
+    shared_modules = ("rotary_emb",)
 
     def __init__(self, config: LlamaConfig):
         super().__init__()

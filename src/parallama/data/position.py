@@ -2,7 +2,7 @@
 
 The position is a number of global samples, so that a run can continue at the same sample under another
 data-parallel size or per-rank batch size. Lightning counts batches of *this* run's size
-(`fit_loop.epoch_loop.batch_progress.current`); on resume its count is re-expressed in this run's batches.
+(`runtime.compat.batch_progress`); on resume its count is re-expressed in this run's batches.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 
 from parallama.data.datasets import ResumableDistributedSampler
 from parallama.errors import ConfigError
+from parallama.runtime import compat
 
 log = logging.getLogger("parallama")
 
@@ -64,7 +65,7 @@ class TrainPosition:
 
     def consumed(self, trainer) -> int:
         return self.position(
-            trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            trainer.current_epoch, compat.batch_progress(trainer).current.processed
         )
 
     def restore(self, state: dict, trainer, source: str) -> None:
@@ -72,7 +73,7 @@ class TrainPosition:
         (which decides where its epoch ends) becomes the batches of this size that fit before the end."""
         epoch, at = saved_position(state, source)
         self.digest, self.samples = state.get("trained_hash", GENESIS), state.get("trained_samples", 0)
-        progress = trainer.fit_loop.epoch_loop.batch_progress
+        progress = compat.batch_progress(trainer)
         n, size = len(self.sampler.dataset), self.global_batch
         left = max(n - at, 0) // size
         batches = n // size - left
@@ -99,7 +100,7 @@ class TrainPosition:
         global batch the data order puts next; the batch is hashed once processed."""
         self.settle(trainer)
         epoch = trainer.current_epoch
-        start = self.position(epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        start = self.position(epoch, compat.batch_progress(trainer).current.ready)
         indices = self.sampler.order(epoch)[start : start + self.global_batch]
         share = indices[self.sampler.rank :: self.sampler.num_replicas]
         if not np.array_equal(index.numpy(), share):

@@ -86,6 +86,16 @@ INTERNALS = [
         "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/pipelining/schedules.py",
     ),
     Internal(
+        "lightning.pytorch.loops.progress",
+        ("_BatchProgress.is_last_batch", "_ReadyCompletedTracker.ready", "_ProcessedTracker.processed"),
+        "the data position (data/position.py) reads how many batches of the epoch Lightning has fetched and "
+        "processed (`trainer.fit_loop.epoch_loop.batch_progress`), and on a resume at another global batch size "
+        "sets them, and whether the epoch's last batch is reached, to what the new size gives; CausalLM asks the "
+        "same whether the run's last batch was just trained",
+        "a public count of the epoch's batches on the Trainer (and a way to resume an epoch mid-way)",
+        f"{LIGHTNING}/pytorch/loops/progress.py",
+    ),
+    Internal(
         "torch.distributed.device_mesh",
         ("DeviceMesh._flatten",),
         "FSDP over dp_shard x cp (the cp ranks average their gradients too) needs the two dimensions as one mesh "
@@ -250,6 +260,11 @@ def zero_partitions(zero) -> list[tuple[int, Tensor, list]]:
 
 
 # --- context parallel (parallel/context.py) ------------------------------------------------------------------
+
+
+def batch_progress(trainer):
+    """Lightning's count of this epoch's batches (ready, started, processed, completed; is_last_batch)."""
+    return trainer.fit_loop.epoch_loop.batch_progress
 
 
 def flatten_mesh(mesh, dims: tuple[str, ...], name: str):

@@ -19,6 +19,7 @@ from parallama.models import model_spec
 from parallama.models.contract import check_model
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
+from parallama.runtime import compat
 from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
 
 log = logging.getLogger("parallama")
@@ -29,7 +30,7 @@ def ends_the_run(trainer) -> bool:
     if 0 < trainer.max_steps <= trainer.global_step:
         return True
     last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1
-    return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return last_epoch and compat.batch_progress(trainer).is_last_batch
 
 
 class CausalLM(L.LightningModule):

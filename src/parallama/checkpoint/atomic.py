@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from parallama.checkpoint.read import load_weights_only
+from parallama.checkpoint.untrusted import load_weights_only
 from parallama.errors import ConfigError
 
 _TEMP = re.compile(r"\..+\.tmp-\d+")

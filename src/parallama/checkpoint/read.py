@@ -1,32 +1,22 @@
 """A checkpoint of any strategy as plain weights + model config + client state, for the tools that only read
-(export, eval, generate): no optimizer state, one process, no process group (formats: `formats`).
+(export, eval, generate): no optimizer state, one process, no process group (read by `universal.read`, the one
+reader of every format).
 
 Checkpoints may come from elsewhere: every pickle is read through `untrusted` (weights-only, allow-listed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from parallama.checkpoint.formats import LIGHTNING_TENSORS, client_state, deepspeed_tag, detect
-from parallama.checkpoint.untrusted import (
-    deepspeed_types,
-    load_weights_only,
-    safe_dcp_reader,
-    verify_dcp,
-    verify_deepspeed,
-    weights_only_loads,
-)
+from parallama.checkpoint import universal
+from parallama.checkpoint.formats import LIGHTNING_TENSORS
 from parallama.errors import ConfigError
 from parallama.models import ModelSpec, model_spec
 
@@ -42,58 +32,12 @@ class LoadedCheckpoint:
     meta: dict  # the rest of the client state: hyper_parameters, global_step, tokens_seen, ...
 
 
-def _load_file(path: str) -> tuple[dict, dict]:
-    ckpt = load_weights_only(path)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ConfigError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
-    return ckpt["state_dict"], {k: v for k, v in ckpt.items() if k not in LIGHTNING_TENSORS}
-
-
-def _load_deepspeed(path: str) -> tuple[dict, dict]:
-    """fp32 weights merged from the ZeRO partitions by DeepSpeed's own zero_to_fp32 (no moments, unlike
-    `checkpoint.zero`, which resuming needs)."""
-    tag = deepspeed_tag(path)
-    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
-    if not any((tag / name).is_file() for name in names):
-        raise ConfigError(f"checkpoint {tag} has none of {names}; the DeepSpeed checkpoint is incomplete")
-    verify_deepspeed(path)
-    try:
-        with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            state_dict = get_fp32_state_dict_from_zero_checkpoint(path, tag.name)
-    except Exception as err:
-        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({err})") from None
-    return state_dict, client_state(path)
-
-
-def _load_dcp(path: str) -> tuple[dict, dict]:
-    """Read only the model's tensors, in one process, without a process group: export, eval and generate need a
-    third of what `parallel.universal.read` (weights + AdamW moments, for resuming) holds in memory."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = verify_dcp(path)
-    try:
-        state_dict = {
-            k.removeprefix("state_dict."): torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in metadata.state_dict_metadata.items()
-            if k.startswith("state_dict.")
-        }
-        with warnings.catch_warnings(), weights_only_loads([]):
-            # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"state_dict": state_dict}, storage_reader=safe_dcp_reader(path), no_dist=True)
-    except Exception as err:
-        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
-    return state_dict, client_state(path)
-
-
 def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
     """Weights (the model's own keys), its family and config, tokenizer and client state of a checkpoint of any
     format."""
     path = str(path)
-    load = {"file": _load_file, "deepspeed": _load_deepspeed, "dcp": _load_dcp}[detect(path)]
-    state_dict, meta = load(path)
+    state = universal.read(path, optimizer=False)
+    state_dict, meta = state.model, {k: v for k, v in state.client.items() if k not in LIGHTNING_TENSORS}
     model_kwargs = (meta.get("hyper_parameters") or {}).get("model")
     if not isinstance(model_kwargs, dict):
         raise ConfigError(f"checkpoint {path} is not a parallama checkpoint (no hyper_parameters.model)")

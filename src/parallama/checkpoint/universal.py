@@ -7,7 +7,8 @@ parameter names, the optimizer state in the layout torch's `get_optimizer_state_
 uses ({"state": {name: {exp_avg, exp_avg_sq, step}}, "param_groups": [{..., "params": [names]}]}), and the
 rest of Lightning's checkpoint (loops, LR schedulers, callbacks, data position, W&B run id). The running
 strategy's class then puts it in place (`Parallelism.load_universal`). `parallama-ckpt convert` writes one
-to a file or DCP folder offline.
+to a file or DCP folder offline, and the tools (export, eval, generate: checkpoint/read.py) read its weights
+alone (`read(path, optimizer=False)`): this module is the one reader of every format.
 
 Every rank reads the whole state into host memory: fine up to models whose fp32 weights and moments fit
 in a node's RAM several times over; bigger runs keep their strategy and world size (the native path).
@@ -25,11 +26,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from parallama.checkpoint.formats import INFO_KEY, client_state, detect
+from parallama.checkpoint.formats import INFO_KEY, client_state, deepspeed_tag, detect
 from parallama.checkpoint.untrusted import (
+    deepspeed_types,
     load_weights_only,
     safe_dcp_reader,
     verify_dcp,
+    verify_deepspeed,
     weights_only_loads,
 )
 from parallama.errors import ConfigError
@@ -47,36 +50,56 @@ def writer_info(path: str | os.PathLike) -> dict:
     return {"format": detect(path), **(client_state(path).get(INFO_KEY) or {})}
 
 
-def read(path: str | os.PathLike) -> UniversalState:
-    fmt = detect(path)
-    if fmt == "file":
-        return _read_file(str(path))
-    if fmt == "deepspeed":
-        from parallama.checkpoint.zero import read_zero_checkpoint
-
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
-            model, optimizer, client = read_zero_checkpoint(str(path))
-        return UniversalState(model, optimizer, client)
-    return _read_dcp(str(path))
+def read(path: str | os.PathLike, *, optimizer: bool = True) -> UniversalState:
+    """Any checkpoint as a UniversalState, the one reader of resumes and tools. `optimizer=False` (export, eval,
+    generate): the weights only, read without the optimizer's tensors (a third of the memory)."""
+    path = str(path)
+    return READERS[detect(path)](path, optimizer)
 
 
-def _read_file(path: str) -> UniversalState:
+def _read_file(path: str, optimizer: bool) -> UniversalState:
     ckpt = load_weights_only(path)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ConfigError(f"checkpoint {path} is not a Lightning checkpoint (no state_dict)")
     model, optimizers = ckpt.pop("state_dict"), ckpt.pop("optimizer_states", None)
     names = (ckpt.get(INFO_KEY) or {}).get("optimizer_keys")
-    optimizer = None
-    if optimizers:
+    state = None
+    if optimizer and optimizers:
         if names is None:
             raise ConfigError(
                 f"ckpt_path={path} predates universal checkpoints (it does not name its optimizer's tensors); "
                 "resume it with the strategy that wrote it"
             )
-        optimizer = keyed_by_name(optimizers[0], names)
-    return UniversalState(model, optimizer, ckpt)
+        state = keyed_by_name(optimizers[0], names)
+    return UniversalState(model, state, ckpt)
 
 
-def _read_dcp(path: str) -> UniversalState:
-    """A DCP folder (FSDP2's, or parallama-ckpt's) in one process: everything in it, nested as it was saved.
+def _read_deepspeed(path: str, optimizer: bool) -> UniversalState:
+    """With the optimizer: the ZeRO partitions merged with their AdamW moments (checkpoint/zero.py). Without: the
+    fp32 weights merged by DeepSpeed's own zero_to_fp32."""
+    if optimizer:
+        from parallama.checkpoint.zero import read_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
+            return UniversalState(*read_zero_checkpoint(path))
+    tag = deepspeed_tag(path)
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO<=2, ZeRO-3
+    if not any((tag / name).is_file() for name in names):
+        raise ConfigError(f"checkpoint {tag} has none of {names}; the DeepSpeed checkpoint is incomplete")
+    verify_deepspeed(path)
+    try:
+        with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            model = get_fp32_state_dict_from_zero_checkpoint(path, tag.name)
+    except Exception as err:
+        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({err})") from None
+    return UniversalState(model, None, client_state(path))
+
+
+def _read_dcp(path: str, optimizer: bool) -> UniversalState:
+    """A DCP folder (FSDP2's, or parallama-ckpt's) in one process: everything in it (without the optimizer: the
+    model's tensors only), nested as it was saved.
 
     The keys come from its `.metadata` (read safely), so DCP's own loader fills every one of them; the
     metadata's `planner_data` says where each flat key sat in the nested state that was saved."""
@@ -90,6 +113,7 @@ def _read_dcp(path: str) -> UniversalState:
         if isinstance(item, TensorStorageMetadata)
         else None
         for key, item in metadata.state_dict_metadata.items()
+        if optimizer or key.startswith("state_dict.")
     }  # None: a pickled value, which the loader puts in its place
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
@@ -100,6 +124,9 @@ def _read_dcp(path: str) -> UniversalState:
         raise ConfigError(f"checkpoint {path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
     state = _nested(flat, metadata.planner_data or {})
     return UniversalState(state["state_dict"], state.get("optimizer_0"), client_state(path))
+
+
+READERS = {"file": _read_file, "deepspeed": _read_deepspeed, "dcp": _read_dcp}  # every format, mapped once
 
 
 def _nested(flat: dict, paths: dict) -> dict:

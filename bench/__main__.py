@@ -7,9 +7,16 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, nd, overhead
+from bench import data, ddp_scaling, gpu, nd, overhead, step_path
 
-BENCHMARKS = {"overhead": overhead, "data": data, "ddp-scaling": ddp_scaling, "nd": nd, "gpu": gpu}
+BENCHMARKS = {
+    "overhead": overhead,
+    "data": data,
+    "ddp-scaling": ddp_scaling,
+    "nd": nd,
+    "gpu": gpu,
+    "step-path": step_path,
+}
 CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd")
 
 

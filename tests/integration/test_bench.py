@@ -99,3 +99,13 @@ def test_nd(capsys, tmp_path, cache):
     # the V crosses between the ranks twice (stages 0 -> 1 and 2 -> 3), 4 microbatches of half the rows
     assert layouts["pp zbv"]["collective_mb_per_step"]["send"] == pytest.approx(2 * pp["send"])
     assert "layout" in text and "/ fsdp" in text and "pp schedule 1f1b" in text
+
+
+def test_step_path(capsys, tmp_path, cache):
+    """The trace of what runs from the command line to the optimizer's update, and from training_step on (the
+    figures docs/architecture.md quotes): the step itself is the module, the loss and the model."""
+    text, result = run(capsys, tmp_path, cache, "step-path", process=True)
+    step, whole = result["training_step"]["by_file"], result["command line"]["by_file"]
+    assert {"training/module.py", "training/loss.py", "models/llama/model.py"} <= set(step) <= set(whole)
+    assert 0 < result["training_step"]["lines"] < result["command line"]["lines"]
+    assert "from the training_step to optimizer.step()" in text

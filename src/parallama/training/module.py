@@ -56,6 +56,7 @@ class CausalLM(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
+        self.data_parallel_size = 1  # the replicas a step trains on (tokens seen count them), set when fit starts
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
         self.context_parallel = (
             ContextParallelStep()
@@ -156,7 +157,7 @@ class CausalLM(L.LightningModule):
                 f"train/loss is {mean.item()} at step {self.global_step}: lower optimizer.lr or raise "
                 "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
-        self.tokens_seen += batch["input_ids"].numel() * data_parallel(self.trainer)[0]
+        self.tokens_seen += batch["input_ids"].numel() * self.data_parallel_size
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
@@ -190,6 +191,7 @@ class CausalLM(L.LightningModule):
             self.trainer.should_stop = True
 
     def on_train_start(self) -> None:
+        self.data_parallel_size = data_parallel(self.trainer)[0]  # what tokens seen count: once, not every step
         self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
         self._apply_configured_lr()
 

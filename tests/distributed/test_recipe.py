@@ -12,8 +12,11 @@ Every layout trains on the global batch 8; the LR is constant and low (see test_
 
 from __future__ import annotations
 
+import csv
 import math
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +148,42 @@ def test_each_recipe_changes_the_training(recipe, weights, default_weights):
     reference = weights[recipe, "auto"]
     diff = max((reference[k] - default_weights[k]).abs().max().item() for k in reference)
     assert diff > 1e-4 and math.isfinite(diff), diff
+
+
+ACCURACY = (Path(__file__).resolve().parents[2] / "docs" / "customize.md").read_text()
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp", "cp"])
+def test_a_validation_metric_on_the_logits_is_the_same_under_each_layout(layout, accuracy_runs):
+    """docs/customize.md's token accuracy (`on_validation_logits`): the pipeline's last stage, the context-parallel
+    ranks' parts of each sequence and tensor parallel's vocab-sharded logits give one process's value."""
+    assert accuracy_runs[layout] == pytest.approx(accuracy_runs["auto"], abs=1e-6)
+    assert 0 < accuracy_runs["auto"] < 1
+
+
+@pytest.fixture(scope="module")
+def accuracy_runs(tmp_path_factory, data_cache) -> dict:
+    tmp = tmp_path_factory.mktemp("accuracy")
+    source = re.search(r"<!-- file: myrecipe/accuracy.py -->\n```python\n(.*?)```", ACCURACY, re.S).group(1)
+    (tmp / "token_accuracy.py").write_text(source)
+    out = {}
+    for layout in ("auto", "tp", "pp", "cp"):
+        ranks, batch, args = LAYOUTS[layout]
+        run = tmp / layout
+        train(
+            *COMMON,
+            *args,
+            "module._target_=token_accuracy.WithTokenAccuracy",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=2",
+            f"trainer.devices={ranks}",
+            f"data.batch_size={batch}",
+            cwd=tmp,
+            cache=data_cache,
+            run_dir=run,
+            env={"PYTHONPATH": str(tmp)},
+            timeout=600,
+        )
+        with open(run / "csv" / "metrics.csv") as f:
+            out[layout] = float(next(r["val/accuracy"] for r in csv.DictReader(f) if r.get("val/accuracy")))
+    return out

@@ -15,7 +15,7 @@ from conftest import TINY, run_cli
 DOC = Path(__file__).resolve().parents[2] / "docs" / "customize.md"
 FILE = re.compile(r"<!-- file: (\S+) -->\n```\w+\n(.*?)```", re.S)
 COMMAND = re.compile(r"^(?:PYTHONPATH=\. )?parallama-train (.*)$", re.M)
-QUICK = ["trainer.max_steps=3", "trainer.limit_val_batches=0", "validate_before_training=false"]
+QUICK = ["trainer.max_steps=3", "trainer.val_check_interval=3", "validate_before_training=false"]
 QUICK += ["sample.max_new_tokens=0"]
 
 
@@ -46,3 +46,5 @@ def test_each_command_of_the_page_trains(command, project, data_cache):
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     if "grad_norm" in command or "my_recipe" in command:  # the callback's metric reached the logger
         assert any(r.get("train/grad_norm") for r in rows)
+    if "Accuracy" in command:  # the validation metric: a fraction of the labelled tokens
+        assert 0 <= float(next(r["val/accuracy"] for r in rows if r.get("val/accuracy"))) <= 1

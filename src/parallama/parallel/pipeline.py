@@ -47,10 +47,12 @@ class Pipeline:
         group,
         device,
         loss_fn: Callable[..., Tensor],
+        on_validation_logits: Callable[[Tensor, Tensor], None] | None = None,
     ):
         import torch.distributed.pipelining as pipelining
 
         self.group, self.device, self.options, self.loss_fn = group, device, options, loss_fn
+        self.on_validation_logits = on_validation_logits  # the module's hook, on the last stage's ranks
         self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group) for i, m in stages]
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
@@ -65,6 +67,8 @@ class Pipeline:
         self._step_grads: list = []  # (parameter, gradient) of the last training step, for `add_grads`
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        if self.on_validation_logits is not None and not torch.is_grad_enabled():
+            self.on_validation_logits(logits, labels)
         return self.loss_fn(logits, labels, reduction="sum") / self._denominator
 
     def loss(self, batch: dict, *, train: bool, accumulate: int = 1, parameters=(), cp_mesh=None) -> Tensor:

@@ -56,7 +56,9 @@ class CausalLM(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.val_loss = MeanMetric()
         self.tokens_seen = 0  # global count, restored on resume
-        self.data_parallel_size = 1  # the replicas a step trains on (tokens seen count them), set when fit starts
+        self.data_parallel_size = (
+            1  # the replicas a step trains on (tokens seen count them), set when fit starts
+        )
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
         self.context_parallel = (
             ContextParallelStep()
@@ -103,7 +105,15 @@ class CausalLM(L.LightningModule):
         labelled tokens."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
+        if not torch.is_grad_enabled():
+            self.on_validation_logits(logits, batch["labels"])
         return self.loss_fn(logits, batch["labels"])
+
+    def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
+        rank's part of them, on every path (a pipeline's last stage, a context-parallel rank's part of each
+        sequence, under tensor parallel a DTensor sharded on the vocabulary: `.full_tensor()` it). Update a
+        torchmetrics metric here and log it in `on_validation_epoch_end` (docs/customize.md). None by default."""
 
     # --- the step: forward, loss and backward, one branch per kind of layout ----------------------------
 
@@ -191,7 +201,9 @@ class CausalLM(L.LightningModule):
             self.trainer.should_stop = True
 
     def on_train_start(self) -> None:
-        self.data_parallel_size = data_parallel(self.trainer)[0]  # what tokens seen count: once, not every step
+        self.data_parallel_size = data_parallel(self.trainer)[
+            0
+        ]  # what tokens seen count: once, not every step
         self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
         self._apply_configured_lr()
 

@@ -124,9 +124,15 @@ class ModelParallel(FSDP2):
                     "stay gathered from forward to backward (strategy.reshard_after_forward is taken as false)"
                 )
             stages = self.dims.pp * options.stages_per_rank
-            loss_fn = self.lightning_module.loss_fn
+            module = self.lightning_module
             self.pipeline = Pipeline(
-                model.pipeline_stages, stages, options, pp_group, self.root_device, loss_fn
+                model.pipeline_stages,
+                stages,
+                options,
+                pp_group,
+                self.root_device,
+                module.loss_fn,
+                module.on_validation_logits,
             )
         return model
 

@@ -201,9 +201,8 @@ class CausalLM(L.LightningModule):
             self.trainer.should_stop = True
 
     def on_train_start(self) -> None:
-        self.data_parallel_size = data_parallel(self.trainer)[
-            0
-        ]  # what tokens seen count: once, not every step
+        # the replicas that tokens seen count: read once, not every step
+        self.data_parallel_size = data_parallel(self.trainer)[0]
         self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
         self._apply_configured_lr()
 

@@ -34,6 +34,19 @@ def test_eval_reproduces_the_runs_val_loss(ckpt):
     assert result["ppl"] == pytest.approx(math.exp(result["loss"]))
 
 
+def test_eval_of_a_checkpoint_copied_on_its_own(ckpt, tmp_path):
+    """No run config beside it (found: `ConfigAttributeError: Key 'name_or_path' is not in struct`): the eval
+    config's data with the checkpoint's tokenizer, said in one line."""
+    lone = tmp_path / "copied.ckpt"
+    lone.write_bytes(ckpt.read_bytes())
+    cmd = [str(BIN / "parallama-eval"), f"ckpt_path={lone}", "max_batches=2", "json=true", "data.seq_len=64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"no run config beside {lone}" in proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert math.isfinite(result["loss"]) and result["tokens"] > 0
+
+
 def test_eval_train_split_and_text_output(ckpt, capsys):
     eval_main([f"ckpt_path={ckpt}", "split=train", "data.batch_size=1", "max_batches=1", "data.seq_len=16"])
     out = capsys.readouterr().out.strip()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import hydra
@@ -65,6 +66,12 @@ def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
     run = run_config(cfg.ckpt_path)
     if run is None or "data" not in run:
+        print(
+            f"no run config beside {cfg.ckpt_path} ({run_config_path(cfg.ckpt_path)}): evaluating on the "
+            "eval config's data (conf/eval.yaml's data group, with the command line's data.* overrides) and the "
+            "checkpoint's own tokenizer",
+            file=sys.stderr,  # stdout is the result (json=true)
+        )
         return cfg.data
     check_targets(OmegaConf.to_container(run.data), str(run_config_path(cfg.ckpt_path)))
     data = run.data
@@ -107,8 +114,11 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
         tok_file = Path(data.cache_dir, f"tokenizer-ckpt-{digest}.json")
         tok_file.parent.mkdir(parents=True, exist_ok=True)
         tok_file.write_text(ckpt.tokenizer_json)
-        data.tokenizer = {"_target_": "parallama.data.tokenizer.from_pretrained", "_partial_": True}
-        data.tokenizer.name_or_path = str(tok_file)
+        data.tokenizer = {
+            "_target_": "parallama.data.tokenizer.from_pretrained",
+            "_partial_": True,
+            "name_or_path": str(tok_file),
+        }
     data = OmegaConf.to_container(data, resolve=True)
     check_targets(data, "the data config")
     datamodule = hydra.utils.instantiate(data)

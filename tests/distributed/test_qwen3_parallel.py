@@ -1,5 +1,6 @@
 """`model=qwen3_tiny` on 2 ranks under tensor parallel (the q/k norms see the heads split over the ranks; with and
-without sequence parallel), FSDP and DDP ends with the weights of one process (through parallama-export, to 1e-5),
+without sequence parallel) and under every other strategy (fsdp, ddp, ddp_spawn, ddp_sharded, deepspeed) ends
+with the weights of one process (through parallama-export, to 1e-5),
 as tests/distributed/test_model_parallel.py checks the Llama: one run per layout, 2 steps, no validation; each
 samples at the end (tp: KV-cache decoding on the tensor-parallel model; tp_sp: on a full copy the strategy builds
 from the family's model class) and all sample the same text.
@@ -27,6 +28,9 @@ LAYOUTS = {  # name: (ranks, overrides); each trains on the global batch 8
     ),
     "fsdp": (2, ["strategy=fsdp", "data.batch_size=4"]),
     "ddp": (2, ["strategy=ddp", "data.batch_size=4"]),
+    "ddp_spawn": (2, ["strategy=ddp_spawn", "data.batch_size=4"]),
+    "ddp_sharded": (2, ["strategy=ddp_sharded", "data.batch_size=4"]),
+    "deepspeed": (2, ["strategy=deepspeed", "data.batch_size=4"]),
 }
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import run_cli, train
 
-from parallama.runtime.launch import STALE_BUILD_LOCK_S, use_private_torch_extensions
+from parallama.runtime.launch import STALE_LOCK_SECONDS, use_private_torch_extensions
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -95,21 +95,48 @@ def test_help_and_typos_answer_before_torch_loads(tmp_path):
 
 
 def test_a_stale_extension_build_lock_is_removed(tmp_path, monkeypatch, caplog):
-    """A DeepSpeed op build killed midway leaves `<op>/lock`; every later run would wait on it forever."""
+    """A DeepSpeed op build killed midway leaves `<op>/lock`, and every later run waited on it forever, silently
+    (found 3/3 after a kill -9 during the first build, the lock minutes old): a lock that no live build holds is
+    removed in one line; a build that just began, or one still working in its folder, keeps its lock."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     logger = logging.getLogger("parallama")  # an in-process Hydra app earlier in the session may have
     monkeypatch.setattr(logger, "disabled", False)  # disabled it (logging.config, disable_existing_loggers)
     monkeypatch.setattr(logger, "propagate", True)
     caplog.set_level(logging.WARNING, logger="parallama")
     stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
-    for lock in (stale, fresh):
-        lock.parent.mkdir()
+    building = (
+        tmp_path / "py311_cpu" / "deepspeed_ccl_comm" / "lock"
+    )  # torch's default layout, one level down
+    for lock in (stale, fresh, building):
+        lock.parent.mkdir(parents=True)
         lock.touch()
-    old = time.time() - STALE_BUILD_LOCK_S - 60
-    os.utime(stale, (old, old))
-    use_private_torch_extensions()
-    assert not stale.exists() and fresh.exists()  # a build under way keeps its lock
-    assert f"removed {stale}" in caplog.text
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    for lock in (stale, building):
+        os.utime(lock, (old, old))
+    ninja = subprocess.Popen(["sleep", "30"], cwd=building.parent)  # a build at work in its folder
+    try:
+        use_private_torch_extensions()
+    finally:
+        ninja.kill()
+        ninja.wait()
+    assert not stale.exists() and fresh.exists() and building.exists()
+    (line,) = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert f"removed {stale}" in line and "no process builds there" in line and "\n" not in line
+
+
+def test_a_lock_left_moments_ago_is_removed_once_stale_while_deepspeed_starts(tmp_path, monkeypatch):
+    """A build killed seconds before the run started leaves a lock too young to call stale at start: the DeepSpeed
+    strategy watches the locks while it may build or wait (runtime.launch.STALE_LOCK_SECONDS, shortened here)."""
+    from parallama.parallel.strategies.deepspeed import watch_build_locks
+    from parallama.runtime import launch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "STALE_LOCK_SECONDS", 0.3)
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    watch_build_locks(seconds=1, every=0.1)
+    assert not lock.exists()
 
 
 def test_each_python_environment_gets_its_own_extension_dir(monkeypatch):

@@ -180,10 +180,8 @@ def use_private_torch_extensions() -> None:
     """DeepSpeed JIT-builds C++ ops into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by
     every environment). Two environments then rebuild each other's ops, and a build killed midway leaves a lock
     on which every later run waits forever. So: one directory per Python environment, and a lock older than any
-    build is removed (with a warning) instead of waited on. Ranks started later inherit the variable."""
+    build is removed (with a warning) instead of waited on (`remove_stale_build_locks`). Ranks started later inherit the variable."""
     import hashlib
-    import logging
-    import time
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
@@ -191,17 +189,45 @@ def use_private_torch_extensions() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(
             Path.home() / ".cache" / "parallama" / "torch_extensions" / tag
         )
-    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    for lock in root.glob("*/lock"):
+    remove_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+# A live build's lock is younger, or a process (ninja, the compiler) works in its folder.
+STALE_LOCK_SECONDS = 30
+
+
+def remove_stale_build_locks(root: Path) -> list[Path]:
+    """torch's JIT build of an op holds `<root>/<op>/lock` while it builds and every other process waits for it to
+    go, for ever: a build killed mid-way (kill -9) leaves it, and every later DeepSpeed run hung silently at
+    "initializing deepspeed distributed". A lock older than STALE_LOCK_SECONDS whose folder no process works in
+    (none has its cwd there: torch runs ninja in it) has no owner: removed, said in one line."""
+    import logging
+    import time
+
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:  # TORCH_EXTENSIONS_DIR, or torch's py3x_cpu/
         try:
             age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:  # the build finished meanwhile
+        except FileNotFoundError:  # released meanwhile
             continue
-        if age > STALE_BUILD_LOCK_S:
-            lock.unlink(missing_ok=True)
-            logging.getLogger("parallama").warning(
-                f"removed {lock}: a C++ extension build lock {age / 60:.0f} min old, left by a killed build"
-            )
+        if age < STALE_LOCK_SECONDS or _worked_in(lock.parent):
+            continue
+        lock.unlink(missing_ok=True)
+        removed.append(lock)
+        logging.getLogger("parallama").warning(
+            f"removed {lock}: a build of {lock.parent.name} left it {age:.0f} s ago and no process builds there "
+            "now (a killed build); torch would wait for it for ever"
+        )
+    return removed
 
 
-STALE_BUILD_LOCK_S = 20 * 60  # a DeepSpeed op builds in about a minute on 2 cores
+def _worked_in(folder: Path) -> bool:
+    """Whether a process has its working directory in `folder` (Linux: /proc/<pid>/cwd)."""
+    target = str(folder.resolve())
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if os.readlink(cwd).startswith(target):
+                return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
 from parallama.parallel.plan import MemoryProfile
 from parallama.runtime import compat
+from parallama.runtime.launch import remove_stale_build_locks
 from parallama.training.optim import offload_refusal
 
 log = logging.getLogger("parallama")
@@ -56,6 +59,9 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         return {"dp_shard": -1}
 
     def setup_environment(self) -> None:
+        # A build killed moments ago leaves a lock too young to call stale at start (runtime/launch.py): watch it
+        # while DeepSpeed may still build or wait, so a run never waits for it for ever.
+        threading.Thread(target=watch_build_locks, daemon=True, name="parallama-build-locks").start()
         if self.root_device.type == "cpu":
             _say_if_ops_will_build(self.local_rank)
             self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
@@ -142,8 +148,22 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
 CPU_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
+def watch_build_locks(seconds: float = 600, every: float = 10) -> None:
+    """`remove_stale_build_locks` every `every` seconds for `seconds` (the ops build in about a minute)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        remove_stale_build_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_root())))
+        time.sleep(every)
+
+
+def extensions_root() -> Path:
+    """Where torch builds DeepSpeed's ops when nothing chose a folder (parallama's tools give each environment
+    its own: runtime/launch.py)."""
+    return Path.home() / ".cache" / "torch_extensions"
+
+
 def _say_if_ops_will_build(local_rank: int) -> None:
     """On CPU DeepSpeed compiles its shared-memory communication op at the first run: minutes of silence."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_root()))
     if local_rank == 0 and not any(root.glob("deepspeed_shm_comm/*.so")):
         log.info(f"building DeepSpeed's C++ ops (once per environment, ~1 min) in {root}")

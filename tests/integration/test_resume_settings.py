@@ -132,6 +132,12 @@ def test_ckpt_path_last_takes_the_newest_run_and_skips_sweeps(tmp_path):
     assert resolve_ckpt_path("last", str(own), str(runs)) == str(paths["swapping"])
     with pytest.raises(ConfigError, match="no run under"):
         resolve_ckpt_path("last", str(own), str(tmp_path / "other" / "runs"))
+    # killed during its first folder checkpoint's write: this run's partial one is named (not "no run under")
+    (own / "checkpoints" / "last.ckpt.partial").mkdir(parents=True)
+    with pytest.raises(
+        ConfigError, match=r"this run's only checkpoint is .*last.ckpt.partial, a save that was cut"
+    ):
+        resolve_ckpt_path("last", str(own), str(runs))
 
 
 @pytest.mark.parametrize(

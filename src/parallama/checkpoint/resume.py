@@ -54,6 +54,13 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) ->
     for candidate in (own, own.with_name("last.ckpt.old")):
         if candidate.exists():
             return str(candidate)
+    if (
+        partial := own.with_name("last.ckpt.partial")
+    ).exists():  # its first save was cut off (checkpoint/atomic.py)
+        raise ConfigError(
+            f"ckpt_path=last: this run's only checkpoint is {partial}, a save that was cut off before it completed "
+            "(nothing to resume); start afresh in a new hydra.run.dir, or give ckpt_path=<a whole checkpoint>"
+        )
     candidates = [
         *Path(runs_root).glob("*/checkpoints/last.ckpt"),
         *Path(runs_root).glob("*/checkpoints/last.ckpt.old"),

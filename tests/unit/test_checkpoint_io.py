@@ -1,8 +1,8 @@
 """AtomicCheckpointIO: a failed or killed save never touches the previous checkpoint and leaves no temp file,
 in the checkpoint directory or in $TMPDIR; loading is weights-only."""
 
-import errno
 import os
+import subprocess
 import tempfile
 
 import pytest
@@ -56,21 +56,58 @@ def test_save_writes_beside_the_target_never_in_tmpdir(trainer, tmp_path, monkey
     torch.testing.assert_close(loaded["state_dict"], trainer.lightning_module.state_dict())
 
 
-def test_a_full_disk_leaves_the_previous_checkpoint_intact(trainer, tmp_path, monkeypatch):
-    path = tmp_path / "last.ckpt"
-    trainer.save_checkpoint(path)
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB filesystem (tmpfs, mounted as root): a checkpoint larger than that fills it up."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_intact(small_disk):
+    """Found: torch.save on a full disk raises its zip writer's RuntimeError ("unexpected pos"), the OSError ENOSPC
+    only in its context, which a traceback showed instead of the one line."""
+    path = small_disk / "checkpoints" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(10_000)}}, path)  # 40 kB: fits
     before = path.read_bytes()
-
-    def full_disk(obj, f):  # the disk fills up after some bytes are written
-        f.write(before[:4096])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(DiskFullError) as excinfo:
-        trainer.save_checkpoint(path)
-    assert str(excinfo.value) == f"no space left writing {path}; the previous checkpoint is intact"
-    assert isinstance(excinfo.value, ConfigError)  # train.py reports it in one line
-    assert path.read_bytes() == before and os.listdir(tmp_path) == ["last.ckpt"]
+        io.save_checkpoint({"state_dict": {"w": torch.ones(1_000_000)}}, path)  # 4 MB: does not
+    message = str(excinfo.value)
+    assert message.startswith(f"no space left on the device of {path.parent} writing last.ckpt; the previous")
+    assert "\n" not in message and isinstance(excinfo.value, ConfigError)  # train.py reports it in one line
+    assert path.read_bytes() == before and os.listdir(path.parent) == ["last.ckpt"]
+
+
+def test_a_full_disk_during_a_folder_checkpoint_is_one_line_too(small_disk):
+    """DCP folders (fsdp, model_parallel) are written as `<name>.partial` and swapped in: on a full disk the
+    partial folder goes and the previous checkpoint stays."""
+    import torch.distributed.checkpoint as dcp
+
+    from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+
+    class DCPWriter:  # what FSDP2's strategy does with the path it is given, in one process
+        is_global_zero = True
+
+        def barrier(self, name=None):
+            pass
+
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+            dcp.save(checkpoint, checkpoint_id=str(filepath), no_dist=True)
+
+    class Folders(AtomicFolderCheckpoints, DCPWriter):
+        pass
+
+    path = small_disk / "checkpoints" / "last.ckpt"
+    Folders().save_checkpoint({"w": torch.ones(10_000)}, path)
+    with pytest.raises(DiskFullError) as excinfo:
+        Folders().save_checkpoint({"w": torch.ones(1_000_000)}, path)
+    assert str(excinfo.value).startswith(f"no space left on the device of {path.parent} writing last.ckpt")
+    assert os.listdir(path.parent) == ["last.ckpt"] and (path / ".metadata").is_file()
 
 
 def test_an_interrupted_save_removes_its_temp_file(trainer, tmp_path, monkeypatch):

@@ -30,6 +30,30 @@ class DiskFullError(ConfigError):
     """The disk filled up while a checkpoint was written; the previous checkpoint file is untouched."""
 
 
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` or what it came from is "no space left on device": torch.save reports it as its zip writer's
+    RuntimeError ("unexpected pos ..."), the OSError ENOSPC its context; DCP as a CheckpointException holding
+    each rank's (exception, traceback) (`failures`)."""
+    todo, seen = [err], set()
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        ranks = getattr(err, "failures", None)
+        todo += [err.__cause__, err.__context__, *(exc for exc, _trace in (ranks or {}).values())]
+    return False
+
+
+def disk_full_message(path: Path) -> str:
+    return (
+        f"no space left on the device of {path.parent} writing {path.name}; the previous checkpoint is intact "
+        "(free space there, or set hydra.run.dir to a disk with room, and resume with ckpt_path=last)"
+    )
+
+
 def temp_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -60,10 +84,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         except BaseException as err:
             tmp.unlink(missing_ok=True)
-            if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-                raise DiskFullError(
-                    f"no space left writing {path}; the previous checkpoint is intact"
-                ) from None
+            if disk_full(err):
+                raise DiskFullError(disk_full_message(path)) from None
             raise
         directory = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power loss
         try:
@@ -91,7 +113,13 @@ class AtomicFolderCheckpoints:
         if self.is_global_zero:
             _remove(partial)
         self.barrier("parallama_ckpt_clean")
-        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        except BaseException as err:
+            if not disk_full(err):
+                raise
+            _remove(partial)  # every rank: a failed write is not a collective any more
+            raise DiskFullError(disk_full_message(path)) from None
         self.barrier("parallama_ckpt_written")
         if self.is_global_zero:
             _remove(old)

@@ -15,6 +15,7 @@ from conftest import run_cli
             "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
         ),
         (["-m", "optimizer.lr=1e-3,2"], "error: optimizer.lr=2 is not valid"),
+        (["optimizer.lr=1e-3,2e-3"], "error: optimizer.lr=1e-3,2e-3 is a sweep over several values: add -m"),
         (["--cfg", "job", "data.packing=maybe"], "error: data.packing='maybe' is not valid"),
         # raised inside a constructor Hydra instantiates: still one line, naming the key
         (

@@ -121,6 +121,17 @@ CASES = [  # (overrides, what the one line must say)
     (["-m", "model=tiny,tinyy"], "model=tinyy is not an option of config group 'model'"),
     (["--multirun", "trainer.max_stepz=1,2"], "unknown config key 'trainer.max_stepz'"),
     (["--cfg", "job", "trainer.max_stepz=1"], "unknown config key 'trainer.max_stepz'"),
+    # a sweep's values without -m (Hydra's "Ambiguous value" in 6 lines and exit status 1): -m is all it lacks
+    (
+        ["optimizer.lr=1e-3,5"],
+        "optimizer.lr=1e-3,5 is a sweep over several values: add -m to run one job per value "
+        "(or write optimizer.lr=[1e-3,5] for a list, optimizer.lr='1e-3,5' for a string)",
+    ),
+    (["model=glob(tin*)"], "model=glob(tin*) is a sweep: add -m to run one job per value"),
+    (
+        ["hparams_search=lr_optuna", "--cfg", "job", "model.hidden_size=64,128"],
+        "model.hidden_size=64,128 is a sweep but --cfg prints one config",
+    ),
     (["-c", "all", "data.packing=maybe"], "data.packing='maybe' is not valid"),
 ]
 ON_CPU_ONLY = [
@@ -169,6 +180,7 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
         ["-m", "optimizer.lr=1e-3,3e-3"],
         ["--cfg", "job", "data/source=files"],  # printing a config that still needs a value is fine
         ["hparams_search=lr_optuna"],
+        ["hparams_search=lr_optuna", "model.hidden_size=64,128"],  # the preset asks for a sweep: no -m needed
         ["--help"],
     ],
 )

@@ -124,3 +124,17 @@ def test_last_checkpoint_every_n_steps_and_every_t(tiny_run):
     config = (tiny_run.dir / ".hydra" / "config.yaml").read_text()
     assert "every_n_train_steps: 3" in config and "seconds: 1" in config
     assert (tiny_run.dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_validation_off_is_said_at_start_and_in_the_report(tmp_path, data_cache):
+    """data.val_fraction=0 trains without validation: one info line says so before training, and the report's
+    metrics line says why it is empty (it used to be a silent `final metrics: {}`)."""
+    proc = train("data.val_fraction=0", "sample.max_new_tokens=0", cwd=tmp_path, cache=data_cache)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    said = [i for i, line in enumerate(lines) if "validation is off (data.val_fraction=0" in line]
+    assert len(said) == 1, lines[-40:]
+    fit_starts = next(
+        i for i, line in enumerate(lines) if line.startswith("Trainable params")
+    )  # model summary
+    assert said[0] < fit_starts
+    assert any("final metrics:   {} (validation was off: data.val_fraction=0" in line for line in lines)

@@ -52,6 +52,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
+    if (off := validation_off(cfg)) is not None:
+        log.info(f"validation is off ({off}): no val/loss, no best checkpoint, and no final metrics")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -123,7 +125,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
     sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None
-    report(trainer, output_dir, sample)
+    report(trainer, output_dir, sample, validation_off(cfg))
     objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
     objects.update(logger=loggers, trainer=trainer)
     return dict(trainer.callback_metrics), objects
@@ -181,7 +183,16 @@ def print_config(cfg: DictConfig) -> None:
     (out / "resolved_config.yaml").write_text(text)
 
 
-def report(trainer, output_dir: str, sample: str | None) -> None:
+def validation_off(cfg: DictConfig) -> str | None:
+    """What switches validation off in this config (the setting, for the user to change), or None."""
+    if cfg.data.get("val_fraction", None) == 0:
+        return "data.val_fraction=0: no validation split"
+    if cfg.trainer.get("limit_val_batches", None) == 0:
+        return "trainer.limit_val_batches=0"
+    return None
+
+
+def report(trainer, output_dir: str, sample: str | None, off: str | None = None) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from parallama.training.callbacks import LastCheckpoint
@@ -201,7 +212,7 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
     for logger in trainer.loggers:
         lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    lines.append(f"final metrics:   {metrics}")
+    lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))

@@ -6,6 +6,7 @@ import csv
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -138,3 +139,16 @@ def test_validation_off_is_said_at_start_and_in_the_report(tmp_path, data_cache)
     )  # model summary
     assert said[0] < fit_starts
     assert any("final metrics:   {} (validation was off: data.val_fraction=0" in line for line in lines)
+
+
+def test_console_csv_and_checkpoint_names_number_steps_alike(tiny_run):
+    """ "step N" is "after N optimizer steps" everywhere: the console's validation lines, metrics.csv's rows
+    (Lightning numbers them by the steps before the one that logged them) and the checkpoint names."""
+    rows = read_metrics(tiny_run.dir)
+    csv_val = {int(r["step"]): f"{float(r['val/loss']):.4f}" for r in rows if r["val/loss"]}
+    console = dict(re.findall(r"\] - step (\d+)  val/loss (\S+)", tiny_run.output))
+    assert {int(k): v for k, v in console.items()} == csv_val and sorted(csv_val) == [0, 2, 4]
+    assert sorted(int(r["step"]) for r in rows if r["train/loss"]) == [1, 2, 3, 4]  # max_steps=4
+    (best,) = (tiny_run.dir / "checkpoints").glob("step*.ckpt")
+    assert int(best.stem.removeprefix("step")) in csv_val
+    assert float(csv_val[int(best.stem.removeprefix("step"))]) == min(float(v) for v in csv_val.values())

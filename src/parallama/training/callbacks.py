@@ -46,6 +46,25 @@ class TokenThroughputMonitor(ThroughputMonitor):
         pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * tokens * self.share
 
 
+class StepNumbers(Callback):
+    """Every logger numbers a row by the optimizer steps taken before it was logged ("step N = after N
+    optimizer steps"), as the console lines and checkpoint names (step0000500.ckpt) do.
+
+    Lightning numbers the rows of `self.log` by its count of optimizer steps as it stood before the step that
+    logged them (step 100's loss and the validation after it were row 99). Lightning takes a logged `step`
+    metric as the row's step (LoggerConnector.log_metrics), so this logs the optimizer steps as `step`
+    wherever the module logs: after each training batch and at the end of each validation. Callbacks that call
+    the loggers themselves keep their own numbering: the LearningRateMonitor's `lr-*` rows (the rate after N
+    steps, which step N+1 uses) and the ThroughputMonitor's `train/device/*` and `validate/*` rows (Lightning's
+    count; renumbering them needs its private `_compute`, see runtime/compat.py's rule)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("step", float(trainer.global_step))
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("step", float(trainer.global_step))
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM (a scheduler), SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C): finish the
     optimizer step, save `last.ckpt` on every rank and stop with status 0; `ckpt_path=last` resumes there.

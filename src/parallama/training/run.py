@@ -46,6 +46,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
+    from parallama.training.callbacks import StepNumbers
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
@@ -83,6 +84,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
     continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
+    callbacks.append(StepNumbers())  # not a config entry: `callbacks=none` keeps the rows' step numbers
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);

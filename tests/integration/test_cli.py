@@ -152,3 +152,17 @@ def test_console_csv_and_checkpoint_names_number_steps_alike(tiny_run):
     (best,) = (tiny_run.dir / "checkpoints").glob("step*.ckpt")
     assert int(best.stem.removeprefix("step")) in csv_val
     assert float(csv_val[int(best.stem.removeprefix("step"))]) == min(float(v) for v in csv_val.values())
+
+
+def test_a_run_prints_no_known_noise(tiny_run):
+    """Lightning's INFO lines once (they were printed plainly and again through Hydra's format), no "`weights_only`
+    was not set" at each checkpoint save, no model summary FLOPs (always 0), no LeafSpec FutureWarning."""
+    out = tiny_run.output
+    assert [line for line in out.splitlines() if line.startswith("INFO: ")] == []
+    assert out.count("`Trainer.fit` stopped: `max_steps=4` reached.") == 1
+    assert (tiny_run.dir / "train.log").read_text().count(
+        "`Trainer.fit` stopped"
+    ) == 1  # the log file keeps it
+    assert "weights_only" not in out
+    assert "Trainable params" in out and "FLOPs" not in out
+    assert "LeafSpec" not in out and "FutureWarning" not in out

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 
 from parallama.parallel.base import data_parallel
@@ -63,6 +64,53 @@ class StepNumbers(Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         pl_module.log("step", float(trainer.global_step))
+
+
+class RichModelSummary(LightningRichModelSummary):
+    """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line: Lightning counts FLOPs only
+    by running the module's `example_input_array`, which a CausalLM has none of (a forward of the whole model at
+    fit start), so they read 0. The model's FLOPs per token are in the loggers' hyper-parameters
+    (`model/flops_per_token`) and the ThroughputMonitor's FLOP/s."""
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int = 0,
+        **summarize_kwargs,
+    ) -> None:
+        from lightning.pytorch.utilities.model_summary.model_summary import (
+            get_formatted_model_size,
+            get_human_readable_count,
+        )
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            style = {" ": "dim", "In sizes": "white", "Out sizes": "white"}.get(name)
+            right = name not in (" ", "Name", "Type", "Mode")
+            table.add_column(name, justify="right" if right else "left", style=style, no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        grid = Table.grid(expand=True)
+        grid.add_column()
+        untrainable = total_parameters - trainable_parameters
+        grid.add_row(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}")
+        grid.add_row(f"[bold]Non-trainable params[/]: {get_human_readable_count(int(untrainable))}")
+        grid.add_row(f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))}")
+        grid.add_row(
+            f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}"
+        )
+        grid.add_row(f"[bold]Modules in train mode[/]: {total_training_modes['train']}")
+        grid.add_row(f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}")
+        console.print(grid)
 
 
 class PreemptionCheckpoint(Callback):
@@ -122,7 +170,7 @@ class PreemptionCheckpoint(Callback):
             flag = torch.tensor([signum], device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
         if signum:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
             name = signal.Signals(signum).name
             raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
 
@@ -187,7 +235,7 @@ class LastCheckpoint(Checkpoint):
         return fitting and not trainer.fast_dev_run and new_step
 
     def _save(self, trainer) -> None:
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
         self.saved_step, self._last_saved_at = trainer.global_step, time.monotonic()
 
 

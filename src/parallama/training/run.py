@@ -41,6 +41,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
+    one_console_for_lightning()
+
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
     from parallama.parallel.base import Parallelism
@@ -131,6 +133,23 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
     objects.update(logger=loggers, trainer=trainer)
     return dict(trainer.callback_metrics), objects
+
+
+def one_console_for_lightning() -> None:
+    """Lightning's INFO lines once: importing `lightning` gives its logger a console handler of its own ("INFO:
+    ..."), and its records also reach the root logger, which Hydra's job logging (console and the run's log
+    file) configured; so each line was printed twice. Where the root logger has handlers, Lightning's go."""
+    root = logging.getLogger()
+    if (
+        not root.handlers
+    ):  # Python without Hydra's logging (a notebook): Lightning's own handler is the console
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # its console handler, not a file a user added
+                logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:

@@ -131,7 +131,7 @@ def check_paths(paths: str | list[str]) -> list[str]:
         if os.path.isdir(expanded):
             raise ConfigError(
                 f"data.source.paths: {pattern!r} is a directory; give files or a glob such as "
-                f"'{pattern.rstrip('/')}/*.jsonl'"
+                f"{_glob_for(pattern, expanded)!r}"
             )
         hits = sorted(glob.glob(expanded, recursive=True))
         if not hits:
@@ -147,6 +147,23 @@ def check_paths(paths: str | list[str]) -> list[str]:
         if os.path.getsize(path) == 0:
             raise ConfigError(f"data.source.paths: {path} is empty (0 bytes); remove it or the pattern")
     return matched
+
+
+def _glob_for(pattern: str, folder: str) -> str:
+    """The glob to suggest for a folder: its most common readable extension, in the folder itself or else
+    below it (`**`); `*.jsonl` when it holds none."""
+    base = pattern.rstrip("/")
+    for where, found in (
+        ("*", glob.glob(os.path.join(folder, "*"))),
+        ("**/*", glob.glob(os.path.join(folder, "**", "*"), recursive=True)),
+    ):
+        counts: dict[str, int] = {}
+        for path in found:
+            if os.path.isfile(path) and _ext(path) in BUILDERS:
+                counts[_ext(path)] = counts.get(_ext(path), 0) + 1
+        if counts:
+            return f"{base}/{where}{max(sorted(counts), key=counts.get)}"
+    return f"{base}/*.jsonl"
 
 
 def _ext(path: str) -> str:

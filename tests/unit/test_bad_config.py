@@ -180,6 +180,7 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
         ["-m", "optimizer.lr=1e-3,3e-3"],
         ["--cfg", "job", "data/source=files"],  # printing a config that still needs a value is fine
         ["hparams_search=lr_optuna"],
+        ["trainer.val_check_interval=0.5"],  # a fraction of an epoch: check_val_every_n_epoch=1 follows
         ["hparams_search=lr_optuna", "model.hidden_size=64,128"],  # the preset asks for a sweep: no -m needed
         ["--help"],
     ],

@@ -37,7 +37,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
         _check_devices(trainer)
         _check_strategy(cfg)
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
-        apply_global_batch(cfg)
+        apply_derived(cfg)
         check_inputs(cfg)  # last: it may read a checkpoint's small client state
 
 
@@ -248,12 +248,6 @@ def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
 
 def _check_values(cfg: DictConfig) -> None:
     check_values(cfg, RULES)
-    interval = cfg.trainer.get("val_check_interval")
-    if isinstance(interval, float) and cfg.trainer.get("check_val_every_n_epoch") is None:
-        raise ConfigError(
-            f"trainer.val_check_interval={interval} is a fraction of an epoch, which needs "
-            "trainer.check_val_every_n_epoch=1 (or give a number of batches, e.g. 100)"
-        )
 
 
 def show(value) -> str:
@@ -355,6 +349,25 @@ def _check_strategy(cfg: DictConfig) -> None:
             f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores "
             f"(at most {most}: {CPU_PROCESSES_PER_CORE} per core)"
         )
+
+
+def apply_derived(cfg: DictConfig) -> None:
+    """What the config's values derive (in the preflight's check and again in the job's own config)."""
+    apply_val_check_epochs(cfg)
+    apply_global_batch(cfg)
+
+
+def apply_val_check_epochs(cfg: DictConfig) -> None:
+    """`trainer.val_check_interval` as a fraction of an epoch (0.5: twice an epoch) needs Lightning's
+    `check_val_every_n_epoch`, which parallama leaves null (an interval in batches counts across epochs): a
+    fraction sets it to 1 unless it is given."""
+    trainer = cfg.trainer
+    if (
+        isinstance(trainer.get("val_check_interval"), float)
+        and trainer.get("check_val_every_n_epoch") is None
+    ):
+        with open_dict(cfg):
+            trainer.check_val_every_n_epoch = 1
 
 
 def apply_global_batch(cfg: DictConfig) -> None:

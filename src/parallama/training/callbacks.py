@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -17,6 +18,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from parallama.parallel.base import data_parallel
 from parallama.runtime.faults import Preempted
 from parallama.training.module import ends_the_run
+
+log = logging.getLogger("parallama")
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
@@ -45,6 +48,22 @@ class TokenThroughputMonitor(ThroughputMonitor):
         data = trainer.datamodule
         tokens = data.seq_len * data.batch_size
         pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * tokens * self.share
+
+
+class AtLeastOneValBatch(Callback):
+    """`trainer.limit_val_batches` as a fraction validates at least one batch, as a fraction means in
+    lightning-hydra-template's configs (0.1 of a small validation split): Lightning refuses a fraction that
+    selects no batch (0.1 x 3 batches < 1). Set when the data module is set up, before Lightning counts the
+    batches."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        limit, data = trainer.limit_val_batches, trainer.datamodule
+        if not (isinstance(limit, float) and 0 < limit < 1) or data is None:
+            return
+        batches = len(data.val_dataloader())
+        if batches and int(batches * limit) == 0:
+            log.info(f"trainer.limit_val_batches={limit} of {batches} validation batches: validating 1 batch")
+            trainer.limit_val_batches = 1
 
 
 class StepNumbers(Callback):

@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from parallama.config.checks import apply_global_batch, check_config
+from parallama.config.checks import apply_derived, check_config
 from parallama.config.compose import already_checked
 from parallama.config.parts import instantiate_part
 from parallama.errors import ConfigError
@@ -32,7 +32,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     datamodule, model, callbacks, logger, trainer), as lightning-hydra-template's `train` does, so a config
     composed with `hydra.compose(..., return_hydra_config=True)` can be trained from Python (tests, notebooks)."""
     if already_checked(cfg):  # by the command line's preflight: only what it derives is left to do
-        apply_global_batch(cfg)
+        apply_derived(cfg)
     else:
         check_config(cfg)
     from parallama.runtime.compat import check_internals
@@ -48,7 +48,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
-    from parallama.training.callbacks import StepNumbers
+    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
@@ -86,7 +86,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
     continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
-    callbacks.append(StepNumbers())  # not a config entry: `callbacks=none` keeps the rows' step numbers
+    # not config entries: `callbacks=none` keeps the rows' step numbers and a fraction's meaning
+    callbacks += [StepNumbers(), AtLeastOneValBatch()]
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);

@@ -17,7 +17,8 @@ test_sweeps.py and test_eval.py. What had to change, and why:
   counts batches across epochs); the test also asks that it validated mid-epoch.
 - Sweeps: `model.optimizer.lr` -> `optimizer.lr`, `hparams_search=mnist_optuna` -> `lr_optuna`, `+trainer.limit_*`
   -> `++` (the keys exist in parallama's trainer config), and `experiment=glob(*)` runs on the embedded corpus
-  (offline) at the tiny width (but `mixture`, which mixes the embedded corpora without a `data/source`).
+  (offline) at the tiny width (but `mixture`, which mixes the embedded corpora without a `data/source`); the
+  presets for many GPUs or nodes are `experiment=plan/<name>`, outside the glob.
 - As in LHT, `slow` marks the long cases (all epochs, multi-process sweeps); the default suite runs the rest.
 """
 

@@ -166,3 +166,16 @@ def test_a_run_prints_no_known_noise(tiny_run):
     assert "weights_only" not in out
     assert "Trainable params" in out and "FLOPs" not in out
     assert "LeafSpec" not in out and "FutureWarning" not in out
+
+
+def test_debug_fdr_does_what_it_says(tmp_path, data_cache):
+    """debug=fdr: one train batch, then one val batch (none before training), no checkpoints or metrics logs, and
+    a report that says so (it printed `best checkpoint: - (val/loss None)` and `DummyLogger: None`)."""
+    run = tmp_path / "run"
+    proc = train("debug=fdr", "sample.max_new_tokens=0", cwd=tmp_path, cache=data_cache, run_dir=run)
+    out = proc.stdout + proc.stderr
+    assert re.findall(r"\] - step (\d+)  val/loss", out) == ["1"]  # after the one training batch only
+    assert "best checkpoint" not in out and "DummyLogger" not in out
+    assert "fast_dev_run:    no checkpoints or metrics logged" in out
+    assert not (run / "checkpoints").exists() and not (run / "csv").exists()
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "resolved_config.yaml", "train.log"]

@@ -125,7 +125,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:
         check_resume(ckpt_path, model_cfg, datamodule, trainer.max_steps)
-    if cfg.validate_before_training and ckpt_path is None:
+    # not under fast_dev_run: its one validation batch comes after its one training batch
+    if cfg.validate_before_training and ckpt_path is None and not trainer.fast_dev_run:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
@@ -223,7 +224,7 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
         return
     lines = [f"output dir:      {output_dir}"]
     for ckpt in trainer.checkpoint_callbacks:
-        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor:
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor and ckpt.best_model_path:  # none: no line
             lines.append(
                 f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
             )
@@ -232,7 +233,12 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
         if isinstance(ckpt, LastCheckpoint) and ckpt.saved_step is not None:
             lines.append(f"last checkpoint: {ckpt.path}")
     for logger in trainer.loggers:
-        lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
+        if where := logger.log_dir or logger.save_dir:  # none: fast_dev_run's DummyLogger
+            lines.append(f"{type(logger).__name__ + ':':<16} {where}")
+    if trainer.fast_dev_run:
+        lines.append(
+            "fast_dev_run:    no checkpoints or metrics logged; the output dir holds its config and log"
+        )
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
     if sample is not None:

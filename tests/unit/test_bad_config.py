@@ -8,6 +8,8 @@ tests/integration/test_bad_config_cli.py checks on the real command line that th
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +189,18 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
 )
 def test_good_input_passes(overrides):
     preflight(CONF_DIR, "train", overrides)
+
+
+def jupyter_advice() -> list[list[str]]:
+    """The command lines docs/strategies.md's "DDP under Jupyter" advice gives (each `...=...` in backticks)."""
+    text = (Path(__file__).parents[2] / "docs" / "strategies.md").read_text()
+    advice = text.split("- **DDP under Jupyter**", 1)[1].split("\n- **", 1)[0]
+    return [code.split() for code in re.findall(r"`([^`<]*=[^`<]*)`", advice)]  # not `strategy=<name>`
+
+
+def test_the_documented_notebook_commands_compose():
+    """It advised `strategy.name=ddp_notebook`, which is an unknown config key."""
+    commands = jupyter_advice()
+    assert ["strategy=ddp_spawn", "trainer.devices=2"] in commands and ["trainer=ddp_sim"] in commands
+    for command in commands:
+        preflight(CONF_DIR, "train", command)

@@ -183,7 +183,9 @@ def runs(tmp_path_factory, data_cache):
 def assert_parity(runs, name, atol):
     (one_dir, one), (cp_dir, cp) = runs("one"), runs(name)
     (train_loss, val_loss), (one_train, one_val) = metrics(cp_dir), metrics(one_dir)
-    assert sorted(train_loss) == list(range(STEPS)) and len(val_loss) == 2  # before training, after step 3
+    assert (
+        sorted(train_loss) == list(range(1, STEPS + 1)) and len(val_loss) == 2
+    )  # before training, after step 3
     for got, expected in ((train_loss, one_train), (val_loss, one_val)):  # per step, "one" going on to step 6
         assert set(got) <= set(expected) and got == pytest.approx({s: expected[s] for s in got}, abs=1e-5)
     assert cp.keys() == one.keys()

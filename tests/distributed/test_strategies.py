@@ -86,7 +86,7 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
     assert "rank 0/2" in out and "\nsample:\n" in out and "Traceback" not in out
     assert "final metrics:   {'val/loss'" in out  # validated after the last step (3; the interval is 2)
     if (run / "csv").exists():
-        assert validated_steps(run)[-1] == 2  # Lightning logs a validation at step index 2 = after step 3
+        assert validated_steps(run)[-1] == 3  # the validation after the last step (3)
     last = run / "checkpoints" / "last.ckpt"
     weights = export(last, tmp_path / "hf", tmp_path)
     assert_same_weights(weights, reference)
@@ -111,7 +111,7 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
         cache=data_cache,
         run_dir=resumed,
     )
-    assert logged_steps(resumed)[0] >= 3  # continued from step 3, not from scratch
+    assert logged_steps(resumed)[0] >= 4  # continued from step 3, not from scratch
     assert (resumed / "checkpoints" / "last.ckpt").exists()
 
 

@@ -88,11 +88,11 @@ def test_optuna_under_ddp_scores_short_trials_and_prunes_on_every_rank(tmp_path,
     assert list(done.intermediate_values) == [2, 3] and done.value == done.intermediate_values[3]
     assert pruned.user_attrs["pruned_at_step"] == 2 and list(pruned.intermediate_values) == [2]
     with open(jobs[0] / "csv" / "metrics.csv") as f:  # before training, after step 2 and after the last (3)
-        assert [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]] == [0, 1, 2]
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]] == [0, 2, 3]
     assert (jobs[1] / "train_ddp_process_1.log").exists()  # the pruned trial's second rank, in its directory
     assert client_state(jobs[1] / "checkpoints" / "last.ckpt")["global_step"] == 2  # every rank saved at 2
     with open(jobs[1] / "csv" / "metrics.csv") as f:
-        assert max(int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]) == 1
+        assert max(int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]) == 2
     results = yaml.safe_load((jobs[0].parent / "optimization_results.yaml").read_text())
     assert results["best_params"] == {"optimizer.lr": 3e-2} and results["best_value"] == done.value
 

@@ -15,11 +15,12 @@ from conftest import run_cli
             "error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
         ),
         (["-m", "optimizer.lr=1e-3,2"], "error: optimizer.lr=2 is not valid"),
+        (["optimizer.lr=1e-3,2e-3"], "error: optimizer.lr=1e-3,2e-3 is a sweep over several values: add -m"),
         (["--cfg", "job", "data.packing=maybe"], "error: data.packing='maybe' is not valid"),
         # raised inside a constructor Hydra instantiates: still one line, naming the key
         (
-            ["+trainer.bogus=1"],
-            "error: trainer: Trainer.__init__() got an unexpected keyword argument 'bogus'",
+            ["+callbacks.progress_bar.bogus=1"],
+            "error: callbacks.progress_bar: progress_bar() got an unexpected keyword argument 'bogus'",
         ),
         # a layout tensor parallelism cannot split (more in tests/unit/test_model_parallel_config.py)
         (
@@ -37,3 +38,53 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
     assert message in out
     assert "Traceback" not in out and "Error executing job" not in out
     assert len([line for line in out.splitlines() if "error:" in line]) == 1
+
+
+# The files a run reads and a new trainer key are checked in the preflight: one line, before the config dump,
+# the banners or the run directory (before: ~7 s and ~150 lines of output to the same line).
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt does not exist"),
+        (
+            ["data/source=files", "data.source.paths=/nonexistent/*.jsonl"],
+            "data.source.paths='/nonexistent/*.jsonl' matches no file",
+        ),
+        (
+            [
+                "experiment=mixture",
+                "+data/source@data.sources.web.source=files",
+                "+data.sources.web.weight=1",
+                "data.sources.web.source.paths=/nonexistent/*.txt",
+            ],
+            "data.sources.web: data.source.paths='/nonexistent/*.txt' matches no file",
+        ),
+        (["init_from={tmp}"], "init_from={tmp} has no config.json; expected a Hugging Face llama folder"),
+        (
+            ["ckpt_path={ckpt}"],  # the default model is 128 wide
+            "ckpt_path={ckpt} was trained with model.hidden_size=64 but this run has model.hidden_size=128",
+        ),
+        (
+            ["+trainer.max_stepz=100"],
+            "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
+        ),
+    ],
+    ids=["ckpt_path", "glob", "mixture-glob", "init_from", "resume-other-size", "new-trainer-key"],
+)
+def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
+    ckpt = tiny_run.dir / "checkpoints" / "last.ckpt"
+    fill = {"tmp": tmp_path, "ckpt": ckpt}
+    run = tmp_path / "run"
+    proc = run_cli(
+        "parallama.cli.train",
+        "trainer.accelerator=cpu",
+        *[arg.format(**fill) for arg in args],
+        f"hydra.run.dir={run}",
+        cwd=tmp_path,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.strip().splitlines() == [out.strip()] and out.startswith("error: "), out[-3000:]
+    assert message.format(**fill) in out
+    assert not run.exists()  # nothing was built or written

@@ -1,6 +1,6 @@
 """Bad data stops before any training with one line naming the file (and record and key).
 
-The table holds 32 distinct bad files or inputs for the `files` source; then a Hub record, the data
+The table holds 33 distinct bad files or inputs for the `files` source; then a Hub record, the data
 module's own checks (no documents, a train split smaller than one step, nothing cached on failure) and
 one CLI run: a bad record prints exactly one `error:` line and exits with status 2, no traceback.
 """
@@ -31,7 +31,9 @@ def parquet(**columns):
 CASES = [
     ("missing-file", {}, "nope.jsonl", "text", ["matches no file"]),
     ("glob-matches-nothing", {"a.txt": "x"}, "*.jsonl", "text", ["matches no file"]),
-    ("directory", {"corpus/a.txt": "x"}, "corpus", "text", ["is a directory", "corpus/*.jsonl"]),
+    ("directory", {"corpus/a.txt": "x", "corpus/b.txt": "y", "corpus/c.jsonl": jsonl({"text": "z"})}, "corpus",
+     "text", ["is a directory", "/corpus/*.txt'"]),  # the glob of the files that are there
+    ("directory-of-folders", {"shards/1/a.jsonl": jsonl({"text": "a"})}, "shards", "text", ["/shards/**/*.jsonl'"]),
     ("glob-only-directories", {"d1/a.txt": "x"}, "d*", "text", ["matches only directories"]),
     ("csv-extension", {"data.csv": "text\nx\n"}, None, "text", ["unsupported extension", ".jsonl"]),
     ("no-extension", {"README": "x"}, None, "text", ["unsupported extension"]),
@@ -77,7 +79,7 @@ def _write(root, name, content) -> None:
 
 
 def test_the_table_is_what_the_docstring_says():
-    assert len(CASES) == len({case[0] for case in CASES}) == 32
+    assert len(CASES) == len({case[0] for case in CASES}) == 33
 
 
 @pytest.mark.parametrize(

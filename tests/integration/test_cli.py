@@ -6,6 +6,7 @@ import csv
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -151,3 +152,57 @@ def test_last_checkpoint_every_n_steps_and_every_t(tiny_run):
     config = (tiny_run.dir / ".hydra" / "config.yaml").read_text()
     assert "every_n_train_steps: 3" in config and "seconds: 1" in config
     assert (tiny_run.dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_validation_off_is_said_at_start_and_in_the_report(tmp_path, data_cache):
+    """data.val_fraction=0 trains without validation: one info line says so before training, and the report's
+    metrics line says why it is empty (it used to be a silent `final metrics: {}`)."""
+    proc = train("data.val_fraction=0", "sample.max_new_tokens=0", cwd=tmp_path, cache=data_cache)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    said = [i for i, line in enumerate(lines) if "validation is off (data.val_fraction=0" in line]
+    assert len(said) == 1, lines[-40:]
+    fit_starts = next(
+        i for i, line in enumerate(lines) if line.startswith("Trainable params")
+    )  # model summary
+    assert said[0] < fit_starts
+    assert any("final metrics:   {} (validation was off: data.val_fraction=0" in line for line in lines)
+
+
+def test_console_csv_and_checkpoint_names_number_steps_alike(tiny_run):
+    """ "step N" is "after N optimizer steps" everywhere: the console's validation lines, metrics.csv's rows
+    (Lightning numbers them by the steps before the one that logged them) and the checkpoint names."""
+    rows = read_metrics(tiny_run.dir)
+    csv_val = {int(r["step"]): f"{float(r['val/loss']):.4f}" for r in rows if r["val/loss"]}
+    console = dict(re.findall(r"\] - step (\d+)  val/loss (\S+)", tiny_run.output))
+    assert {int(k): v for k, v in console.items()} == csv_val and sorted(csv_val) == [0, 2, 4]
+    assert sorted(int(r["step"]) for r in rows if r["train/loss"]) == [1, 2, 3, 4]  # max_steps=4
+    (best,) = (tiny_run.dir / "checkpoints").glob("step*.ckpt")
+    assert int(best.stem.removeprefix("step")) in csv_val
+    assert float(csv_val[int(best.stem.removeprefix("step"))]) == min(float(v) for v in csv_val.values())
+
+
+def test_a_run_prints_no_known_noise(tiny_run):
+    """Lightning's INFO lines once (they were printed plainly and again through Hydra's format), no "`weights_only`
+    was not set" at each checkpoint save, no model summary FLOPs (always 0), no LeafSpec FutureWarning."""
+    out = tiny_run.output
+    assert [line for line in out.splitlines() if line.startswith("INFO: ")] == []
+    assert out.count("`Trainer.fit` stopped: `max_steps=4` reached.") == 1
+    assert (tiny_run.dir / "train.log").read_text().count(
+        "`Trainer.fit` stopped"
+    ) == 1  # the log file keeps it
+    assert "weights_only" not in out
+    assert "Trainable params" in out and "FLOPs" not in out
+    assert "LeafSpec" not in out and "FutureWarning" not in out
+
+
+def test_debug_fdr_does_what_it_says(tmp_path, data_cache):
+    """debug=fdr: one train batch, then one val batch (none before training), no checkpoints or metrics logs, and
+    a report that says so (it printed `best checkpoint: - (val/loss None)` and `DummyLogger: None`)."""
+    run = tmp_path / "run"
+    proc = train("debug=fdr", "sample.max_new_tokens=0", cwd=tmp_path, cache=data_cache, run_dir=run)
+    out = proc.stdout + proc.stderr
+    assert re.findall(r"\] - step (\d+)  val/loss", out) == ["1"]  # after the one training batch only
+    assert "best checkpoint" not in out and "DummyLogger" not in out
+    assert "fast_dev_run:    no checkpoints or metrics logged" in out
+    assert not (run / "checkpoints").exists() and not (run / "csv").exists()
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "resolved_config.yaml", "train.log"]

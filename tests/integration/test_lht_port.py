@@ -8,13 +8,17 @@ test_sweeps.py and test_eval.py. What had to change, and why:
   plain loop. Train's `test/acc` is the final `val/loss`, eval's is `loss` (on the same batches).
 - Metrics: LHT's MNIST model logs `*/acc`; a language model logs `*/loss`, which must fall where acc rises.
 - Checkpoint names: LHT's `epoch_000.ckpt` is parallama's `step0000001.ckpt` (the best by val/loss).
-- `limit_val_batches=0.1` -> 0.5, and with 2 ranks `limit_train_batches=0.01` -> 0.05: the embedded corpus
-  is small (110 train and 3 validation batches), and Lightning refuses a fraction that selects no batch. LHT's `limit_test_batches`, `data.pin_memory` and `extras.*` have no counterpart.
+- With 2 ranks `limit_train_batches=0.01` -> 0.05: the embedded corpus is small (110 train and 3 validation
+  batches); `limit_val_batches=0.1` is LHT's own (a fraction validates at least one batch in parallama, where
+  Lightning refuses one that selects none). LHT's `limit_test_batches`, `data.pin_memory` and `extras.*` have no
+  counterpart.
 - `trainer.strategy="ddp_spawn"` -> `trainer=ddp_sim`: the strategy is its own config group here.
-- `val_check_interval=0.5` needs `check_val_every_n_epoch=1` (parallama validates every N steps by default).
+- `val_check_interval=0.5` as in LHT: a fraction sets `check_val_every_n_epoch=1` (parallama's default interval
+  counts batches across epochs); the test also asks that it validated mid-epoch.
 - Sweeps: `model.optimizer.lr` -> `optimizer.lr`, `hparams_search=mnist_optuna` -> `lr_optuna`, `+trainer.limit_*`
   -> `++` (the keys exist in parallama's trainer config), and `experiment=glob(*)` runs on the embedded corpus
-  (offline) at the tiny width (but `mixture`, which mixes the embedded corpora without a `data/source`).
+  (offline) at the tiny width (but `mixture`, which mixes the embedded corpora without a `data/source`); the
+  presets for many GPUs or nodes are `experiment=plan/<name>`, outside the glob.
 - As in LHT, `slow` marks the long cases (all epochs, multi-process sweeps); the default suite runs the rest.
 """
 
@@ -53,7 +57,7 @@ def cfg_train_global(data_cache) -> DictConfig:
             cfg.paths.cache_dir = str(data_cache)  # shared tokenized corpus (LHT downloads MNIST once)
             cfg.trainer.max_epochs = 1
             cfg.trainer.limit_train_batches = 0.01
-            cfg.trainer.limit_val_batches = 0.5
+            cfg.trainer.limit_val_batches = 0.1
             cfg.trainer.accelerator = "cpu"
             cfg.trainer.devices = 1
             cfg.data.num_workers = 0
@@ -142,7 +146,7 @@ def test_train_eval(tmp_path: Path, cfg_train: DictConfig, cfg_eval: DictConfig)
 
     with open_dict(cfg_eval):
         cfg_eval.ckpt_path = str(tmp_path / "checkpoints" / "last.ckpt")
-        cfg_eval.max_batches = 1  # what limit_val_batches=0.5 of 3 batches validated in training
+        cfg_eval.max_batches = 1  # what limit_val_batches=0.1 of 3 batches validated in training (at least 1)
 
     HydraConfig().set_config(cfg_eval)
     test_metric_dict = evaluate(cfg_eval)
@@ -187,8 +191,12 @@ def test_train_epoch_double_val_loop(cfg_train: DictConfig) -> None:
     with open_dict(cfg_train):
         cfg_train.trainer.max_epochs = 1
         cfg_train.trainer.val_check_interval = 0.5
-        cfg_train.trainer.check_val_every_n_epoch = 1
-    train(cfg_train)
+        cfg_train.trainer.limit_train_batches = (
+            4  # (LHT's 1% of an epoch is 1 batch here: nothing in between)
+        )
+    _, objects = train(cfg_train)
+    validations = objects["trainer"].fit_loop.epoch_loop.val_loop.batch_progress.total.completed
+    assert validations == 2  # after batch 2 of 4 (mid-epoch) and at the end, 1 batch each (limit 0.1)
 
 
 def test_train_ddp_sim(cfg_train: DictConfig, tmp_path: Path, data_cache, monkeypatch) -> None:

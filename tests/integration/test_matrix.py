@@ -39,7 +39,7 @@ def test_trains_validates_samples_and_exports(case, tmp_path, data_cache):
     assert "final metrics:   {'val/loss'" in out
     if (run / "csv").exists():
         with open(run / "csv" / "metrics.csv") as f:
-            assert max(int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]) == 2  # after the 3rd step
+            assert max(int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]) == 3  # after the 3rd step
     export(
         [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"out_dir={tmp_path / 'hf'}"]
     )  # in this process

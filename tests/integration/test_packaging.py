@@ -18,6 +18,9 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
+    # a new package (a model family's folder) that no file names: found because pyproject finds the packages
+    (src / "src" / "parallama" / "models" / "new_family").mkdir()
+    (src / "src" / "parallama" / "models" / "new_family" / "__init__.py").write_text("")
     (src / "conf" / "local").mkdir()
     (src / "conf" / "local" / "default.yaml").write_text("seed: 1\n")  # a machine's own: not shipped
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -27,9 +30,11 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     for conf in ("train.yaml", "eval.yaml", "data/source/files.yaml", "strategy/fsdp.yaml"):
         assert f"parallama/conf/{conf}" in names
     assert not [n for n in names if "/local/" in n]
-    # every package of the source tree (a model family's folder too: pyproject lists them one by one)
-    packages = [p.parent.relative_to(ROOT / "src") for p in (ROOT / "src" / "parallama").rglob("__init__.py")]
-    assert [str(p) for p in packages if f"{p.as_posix()}/__init__.py" not in names] == []
+    # every module of the source tree (the new folder too; namespace packages without an __init__.py, e.g.
+    # parallama/evaluation and hydra_plugins, as well), and not the placeholder that lets discovery find conf
+    modules = sorted(p.relative_to(src / "src").as_posix() for p in (src / "src").rglob("*.py"))
+    assert [m for m in modules if m not in names] == []
+    assert "parallama/conf/README" not in names
 
     target = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", target, wheel], check=True)
@@ -37,6 +42,22 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
     check = "import parallama; print(parallama.CONF_DIR)"
     out = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert Path(out.stdout.strip()) == target / "parallama" / "conf", out.stderr
+    # every subpackage imports from the installed wheel (not from this checkout)
+    packages = sorted({".".join(Path(m).parent.parts) for m in modules})
+    check = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    print(name, list(importlib.import_module(name).__path__)[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", check, *packages], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert sorted(imported) == packages and {"parallama.evaluation", "parallama.models.new_family"} <= set(
+        packages
+    )
+    assert [n for n, path in imported.items() if not Path(path).is_relative_to(target)] == []
     for module, needle in [
         ("parallama.cli.train", "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp"),
         ("parallama.cli.evaluate", "ckpt_path: null"),

@@ -65,7 +65,7 @@ def test_grid_jobs_run_at_once_each_with_its_own_run(grid):
     assert overlap(first, second)  # as the runs themselves logged it
     for job, lr in zip((first, second), (1e-3, 2e-3)):
         assert config_lr(job) == lr
-        assert train_steps(job)[-1] == 3  # the 4th step (index 3): each trained to the end
+        assert train_steps(job)[-1] == 4  # each trained to the end (step 4)
         run = wandb_run(job)  # exactly one offline W&B run per job
         assert run["config"]["config"]["optimizer"]["lr"] == lr
         assert client_state(job / "checkpoints" / "last.ckpt").get("wandb_run_id") == run["id"]
@@ -110,7 +110,7 @@ def test_optuna_prunes_the_trial_that_learns_nothing(study_run):
     assert [t.state.name for t in trials[:3]] == ["COMPLETE", "COMPLETE", "PRUNED"]
     assert trials[2].user_attrs["pruned_at_step"] == 2
     assert list(trials[2].intermediate_values) == [2]  # reported at step 2, then stopped
-    assert train_steps(jobs(sweep)[2]) == [0, 1]  # the pruned trial trained 2 steps of 4
+    assert train_steps(jobs(sweep)[2]) == [1, 2]  # the pruned trial trained 2 steps of 4
     assert client_state(jobs(sweep)[2] / "checkpoints" / "last.ckpt") is not None  # and ended as a run does
     for t in trials[:2]:  # a finished trial reported at each validation of fit (not the one before it)
         assert list(t.intermediate_values) == [2, 4] and t.value == t.intermediate_values[4]
@@ -160,5 +160,5 @@ def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
     (second,) = [p for p in log.iterdir() if p != first]
     assert [p.name for p in jobs(second)] == ["0", "1"]  # 2 jobs: the retried trial and the missing one
     retried = train_steps(jobs(second)[0])
-    assert retried[0] > 0 and retried[-1] == 15  # continued from the checkpoint to the end
+    assert retried[0] > 1 and retried[-1] == 16  # continued from the checkpoint to the end
     assert "trial 0 was interrupted" in proc.stdout + proc.stderr

@@ -12,12 +12,20 @@ from parallama import CONF_DIR
 
 GROUPS = [
     "model", "optimizer", "scheduler", "loss", "tokenizer", "data", "data/source", "paths", "strategy", "trainer", "callbacks", "logger", "launcher",
-    "experiment", "debug", "hparams_search", "pruner",
+    "experiment", "experiment/plan", "debug", "hparams_search", "pruner",
 ]  # fmt: skip
 
 
 def options() -> list[str]:
-    return [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+    """`group=option`; a group inside a group's folder (experiment/plan) is an option of that group (e.g.
+    `experiment=plan/llama3_70b_nd`)."""
+    found = []
+    for g in GROUPS:
+        group, option = (g.split("/", 1) + [""])[:2] if g.startswith("experiment/") else (g, "")
+        found += [
+            f"{group}={option + '/' if option else ''}{p.stem}" for p in sorted((CONF_DIR / g).glob("*.yaml"))
+        ]
+    return found
 
 
 def test_every_group_is_listed():
@@ -56,6 +64,16 @@ EXPERIMENTS = {
     "lr_width_sweep": ["hydra.mode=RUN"],  # one trial's run, outside a sweep (its pruning callback is off)
     "mixture": ["data.sources.code.source.max_documents=10"],
 }
+
+
+def test_every_experiment_preset_runs_here():
+    """Each option of `experiment` is in EXPERIMENTS, so `experiment=glob(*)` smoke-tests on a CPU; presets that
+    need the hardware they were planned for (nodes, 8 GPUs, a gated tokenizer) are `experiment=plan/<name>`."""
+    assert sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")) == sorted(EXPERIMENTS)
+    assert sorted(p.stem for p in (CONF_DIR / "experiment" / "plan").glob("*.yaml")) == [
+        "llama3_70b_nd",
+        "llama3_8b_tp",
+    ]
 
 
 @pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))

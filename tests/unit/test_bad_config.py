@@ -8,6 +8,8 @@ tests/integration/test_bad_config_cli.py checks on the real command line that th
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +123,17 @@ CASES = [  # (overrides, what the one line must say)
     (["-m", "model=tiny,tinyy"], "model=tinyy is not an option of config group 'model'"),
     (["--multirun", "trainer.max_stepz=1,2"], "unknown config key 'trainer.max_stepz'"),
     (["--cfg", "job", "trainer.max_stepz=1"], "unknown config key 'trainer.max_stepz'"),
+    # a sweep's values without -m (Hydra's "Ambiguous value" in 6 lines and exit status 1): -m is all it lacks
+    (
+        ["optimizer.lr=1e-3,5"],
+        "optimizer.lr=1e-3,5 is a sweep over several values: add -m to run one job per value "
+        "(or write optimizer.lr=[1e-3,5] for a list, optimizer.lr='1e-3,5' for a string)",
+    ),
+    (["model=glob(tin*)"], "model=glob(tin*) is a sweep: add -m to run one job per value"),
+    (
+        ["hparams_search=lr_optuna", "--cfg", "job", "model.hidden_size=64,128"],
+        "model.hidden_size=64,128 is a sweep but --cfg prints one config",
+    ),
     (["-c", "all", "data.packing=maybe"], "data.packing='maybe' is not valid"),
 ]
 ON_CPU_ONLY = [
@@ -169,8 +182,25 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
         ["-m", "optimizer.lr=1e-3,3e-3"],
         ["--cfg", "job", "data/source=files"],  # printing a config that still needs a value is fine
         ["hparams_search=lr_optuna"],
+        ["trainer.val_check_interval=0.5"],  # a fraction of an epoch: check_val_every_n_epoch=1 follows
+        ["hparams_search=lr_optuna", "model.hidden_size=64,128"],  # the preset asks for a sweep: no -m needed
         ["--help"],
     ],
 )
 def test_good_input_passes(overrides):
     preflight(CONF_DIR, "train", overrides)
+
+
+def jupyter_advice() -> list[list[str]]:
+    """The command lines docs/strategies.md's "DDP under Jupyter" advice gives (each `...=...` in backticks)."""
+    text = (Path(__file__).parents[2] / "docs" / "strategies.md").read_text()
+    advice = text.split("- **DDP under Jupyter**", 1)[1].split("\n- **", 1)[0]
+    return [code.split() for code in re.findall(r"`([^`<]*=[^`<]*)`", advice)]  # not `strategy=<name>`
+
+
+def test_the_documented_notebook_commands_compose():
+    """It advised `strategy.name=ddp_notebook`, which is an unknown config key."""
+    commands = jupyter_advice()
+    assert ["strategy=ddp_spawn", "trainer.devices=2"] in commands and ["trainer=ddp_sim"] in commands
+    for command in commands:
+        preflight(CONF_DIR, "train", command)

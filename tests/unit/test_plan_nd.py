@@ -168,7 +168,7 @@ def test_70b_on_two_nodes_fits_one_sequence_per_replica_not_eight():
 
 @pytest.mark.parametrize(
     "preset, sizes",
-    [("llama3_8b_tp", {"dp_shard": 4, "tp": 2}), ("llama3_70b_nd", {"dp_shard": 4, "tp": 8})],
+    [("plan/llama3_8b_tp", {"dp_shard": 4, "tp": 2}), ("plan/llama3_70b_nd", {"dp_shard": 4, "tp": 8})],
 )
 def test_each_preset_plans_to_its_own_layout(preset, sizes):
     result = plan(compose([f"experiment={preset}"]), 80, [f"experiment={preset}"])
@@ -182,7 +182,7 @@ def test_each_preset_plans_to_its_own_layout(preset, sizes):
 
 
 def test_the_cli_lists_model_parallel_with_its_layout(capsys):
-    main(["experiment=llama3_70b_nd", "json=true"])
+    main(["experiment=plan/llama3_70b_nd", "json=true"])
     out = json.loads(capsys.readouterr().out)
     assert out["estimates"]["model_parallel"]["layout"] == "dp_shard=4 x tp=8 + SP"
     assert out["world_size"] == 32 and out["recommendation"]["strategy"] == "model_parallel"

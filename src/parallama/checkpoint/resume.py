@@ -35,6 +35,13 @@ def check_fresh_run(cfg: DictConfig) -> None:
     raise ConfigError(f"{last} exists: resume it with ckpt_path=last, or pick a new hydra.run.dir")
 
 
+def missing_ckpt_path(ckpt_path: str) -> str | None:
+    """The error line for a `ckpt_path` (not `last`) that does not exist; None when it does."""
+    if Path(ckpt_path).exists():
+        return None
+    return f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
+
+
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
     """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
     (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
@@ -45,10 +52,8 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) ->
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
-        if not Path(ckpt_path).exists():
-            raise ConfigError(
-                f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
-            )
+        if (line := missing_ckpt_path(ckpt_path)) is not None:
+            raise ConfigError(line)
         return str(Path(ckpt_path).resolve())
     own = Path(output_dir) / "checkpoints" / "last.ckpt"
     for candidate in (own, own.with_name("last.ckpt.old")):
@@ -70,16 +75,17 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) ->
     return str(max(candidates, key=lambda p: p.stat().st_mtime))
 
 
-def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> None:
-    """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
-    it may run code; then the same model shape, something left to train, the same data order."""
-    from parallama.checkpoint.untrusted import verify_checkpoint
+def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dict:
+    """The checkpoint was trained with `model`'s settings (keys `model` lacks are not compared); returns its
+    client state. `strict=False` (the preflight): a checkpoint without a parallama model config passes, for
+    the run's own check to word."""
     from parallama.models import DEFAULT_FAMILY, model_spec
 
-    verify_checkpoint(ckpt_path)
     state = client_state(ckpt_path)
     saved = (state.get("hyper_parameters") or {}).get("model")
     if not isinstance(saved, dict):
+        if not strict:
+            return state
         raise ConfigError(f"ckpt_path={ckpt_path} is not a parallama checkpoint (no hyper_parameters.model)")
     fields = {"family": saved.get("family") or DEFAULT_FAMILY, **vars(model_spec(saved).build_config(saved))}
     for key, value in fields.items():
@@ -88,6 +94,16 @@ def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> Non
                 f"ckpt_path={ckpt_path} was trained with model.{key}={value} but this run has "
                 f"model.{key}={model[key]}; resume with the checkpoint's model settings"
             )
+    return state
+
+
+def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> None:
+    """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
+    it may run code; then the same model shape, something left to train, the same data order."""
+    from parallama.checkpoint.untrusted import verify_checkpoint
+
+    verify_checkpoint(ckpt_path)
+    state = check_model_matches(ckpt_path, model)
     step = state.get("global_step", 0)
     if 0 < max_steps <= step:
         raise ConfigError(

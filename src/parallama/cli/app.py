@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ def run(
     unknown key is answered with the tool's keys (tools with a few of them). rewrite: older spellings of
     arguments in today's (may raise ConfigError). setup: what to do once the config passed, before the app.
     """
+    quiet_known_warnings()
     args = list(sys.argv[1:] if argv is None else argv)
     if subcommand is not None and args[:1] == [subcommand]:
         args = args[1:]
@@ -72,6 +74,18 @@ def run(
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
+
+
+def quiet_known_warnings() -> None:
+    """Warnings about code that is not parallama's and that a user cannot act on, filtered exactly."""
+    # lightning/pytorch/utilities/_pytree.py (_tree_flatten) builds torch's LeafSpec(), which torch 2.13 marks
+    # deprecated (a FutureWarning from torch/utils/_pytree.py, attributed to Lightning's line): every run warned.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
 
 
 def compose(

@@ -7,7 +7,12 @@ from the command line (and Hydra's own errors worded) is in `compose`.
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
+import importlib.util
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -20,6 +25,7 @@ from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     """`hardware=False` leaves out what depends on this machine (GPUs, cores): for `--cfg`, which only prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
+    _check_trainer_keys(cfg.trainer)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     _check_model_shape(model)
     if data.seq_len > model.max_position_embeddings:
@@ -31,7 +37,80 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
         _check_devices(trainer)
         _check_strategy(cfg)
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
-        apply_global_batch(cfg)
+        apply_derived(cfg)
+        check_inputs(cfg)  # last: it may read a checkpoint's small client state
+
+
+LIGHTNING_TRAINERS = ("lightning.pytorch.Trainer", "lightning.pytorch.trainer.Trainer", "lightning.Trainer")
+
+
+@functools.lru_cache(maxsize=1)
+def trainer_arguments() -> tuple[str, ...]:
+    """The arguments of Lightning's `Trainer.__init__`, read from its source without importing Lightning
+    (~8 s on a 2-core CPU: it imports torchmetrics, transformers, ...), so a typo'd `+trainer.key` answers at once."""
+    spec = importlib.util.find_spec("lightning")
+    if spec is None or spec.origin is None:
+        return ()
+    source = Path(spec.origin).parent / "pytorch" / "trainer" / "trainer.py"
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return tuple(a.arg for a in [*item.args.args, *item.args.kwonlyargs] if a.arg != "self")
+    return ()
+
+
+def _check_trainer_keys(trainer: DictConfig) -> None:
+    """Each `trainer.<key>` is an argument of Lightning's Trainer (unless `trainer._target_` is a class of the
+    user's own): else Trainer.__init__ refuses it, but only after the data and model are built."""
+    if trainer.get("_target_") not in LIGHTNING_TRAINERS or not (arguments := trainer_arguments()):
+        return
+    for key in trainer:
+        key = str(key)
+        if key.startswith("_") or key in arguments:
+            continue
+        close = difflib.get_close_matches(key, arguments, n=1)
+        hint = f" (did you mean 'trainer.{close[0]}'?)" if close else ""
+        raise ConfigError(
+            f"unknown config key 'trainer.{key}'{hint}: lightning.pytorch.Trainer has no argument {key!r}"
+        )
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The files a run reads, checked before anything is printed or built: a checkpoint to resume exists and
+    was trained with this run's model settings, a data source's paths match files, `init_from` is a Hugging
+    Face folder of the model's family. (The run checks them again where it reads them.)"""
+    from parallama.checkpoint.resume import check_model_matches, missing_ckpt_path
+
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and ckpt_path != "last":  # `last` is resolved in the run's own directory
+        if (line := missing_ckpt_path(ckpt_path)) is not None:
+            raise ConfigError(line)
+        model = OmegaConf.to_container(cfg.model, resolve=True)
+        check_model_matches(ckpt_path, {k: v for k, v in model.items() if v is not None}, strict=False)
+    for where, source in _file_sources(cfg.data, "data"):
+        from parallama.data.sources import check_paths
+
+        try:
+            check_paths(OmegaConf.to_container(source, resolve=True)["paths"])
+        except (ConfigError, FileNotFoundError) as err:  # worded as the data module words it
+            raise ConfigError(str(err) if where == "data.source" else f"{where}: {err}") from None
+    if cfg.get("init_from"):
+        from parallama.models import model_spec
+
+        spec = model_spec(OmegaConf.to_container(cfg.model, resolve=True))
+        if spec.hf_path is not None:
+            spec.hf.load_hf_config(cfg.init_from, spec.config)
+
+
+def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:
+    """The `files` data sources under `node` (data.source, or a mixture's data.sources.<name>.source), each with
+    the key that names it (data.source, data.sources.<name>)."""
+    if not isinstance(node, DictConfig):
+        return []
+    if node.get("_target_") == "parallama.data.sources.files" and "paths" in node:
+        return [(where.removesuffix(".source") if where != "data.source" else where, node)]
+    return [found for key in node for found in _file_sources(node.get(key), f"{where}.{key}")]
 
 
 class Rule:
@@ -169,12 +248,6 @@ def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
 
 def _check_values(cfg: DictConfig) -> None:
     check_values(cfg, RULES)
-    interval = cfg.trainer.get("val_check_interval")
-    if isinstance(interval, float) and cfg.trainer.get("check_val_every_n_epoch") is None:
-        raise ConfigError(
-            f"trainer.val_check_interval={interval} is a fraction of an epoch, which needs "
-            "trainer.check_val_every_n_epoch=1 (or give a number of batches, e.g. 100)"
-        )
 
 
 def show(value) -> str:
@@ -276,6 +349,25 @@ def _check_strategy(cfg: DictConfig) -> None:
             f"trainer.devices={cfg.trainer.devices} CPU processes but this machine has {os.cpu_count()} cores "
             f"(at most {most}: {CPU_PROCESSES_PER_CORE} per core)"
         )
+
+
+def apply_derived(cfg: DictConfig) -> None:
+    """What the config's values derive (in the preflight's check and again in the job's own config)."""
+    apply_val_check_epochs(cfg)
+    apply_global_batch(cfg)
+
+
+def apply_val_check_epochs(cfg: DictConfig) -> None:
+    """`trainer.val_check_interval` as a fraction of an epoch (0.5: twice an epoch) needs Lightning's
+    `check_val_every_n_epoch`, which parallama leaves null (an interval in batches counts across epochs): a
+    fraction sets it to 1 unless it is given."""
+    trainer = cfg.trainer
+    if (
+        isinstance(trainer.get("val_check_interval"), float)
+        and trainer.get("check_val_every_n_epoch") is None
+    ):
+        with open_dict(cfg):
+            trainer.check_val_every_n_epoch = 1
 
 
 def apply_global_batch(cfg: DictConfig) -> None:

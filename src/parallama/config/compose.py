@@ -73,7 +73,7 @@ def preflight(
     """
     if os.environ.get(CHECKED_ENV):
         return
-    overrides, printing, search = [], False, []
+    overrides, printing, search, multirun = [], False, [], False
     args = iter(argv)
     for arg in args:
         flag = arg.split("=", 1)[0]
@@ -87,15 +87,23 @@ def preflight(
                 if not value:
                     raise ConfigError(f"{flag} needs a directory")
                 search.append(f"file://{Path(value).resolve()}")
+        elif flag in ("-m", "--multirun"):
+            multirun = True
         elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
     extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
     from hydra import initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
-        for job, label in _sweep_jobs(overrides):
+        for number, (job, label) in enumerate(_sweep_jobs(overrides)):
+            where = f" (in the sweep job with {label})" if label else ""
             try:
                 cfg = compose_job(config_name, [*job, *extra], list_keys)
+            except ConfigError as err:
+                raise ConfigError(f"{err}{where}") from None
+            if number == 0 and not multirun:  # before a job's values: -m may be all that is wrong
+                _check_sweep_allowed(overrides, printing)
+            try:
                 missing = sorted(OmegaConf.missing_keys(cfg))
                 if missing and not printing:
                     raise ConfigError(f"{missing[0]} is required but not set: add {missing[0]}=...")
@@ -104,7 +112,33 @@ def preflight(
                     if not printing:
                         _CHECKED.add(tuple(job))
             except ConfigError as err:
-                raise ConfigError(f"{err} (in the sweep job with {label})" if label else str(err)) from None
+                raise ConfigError(f"{err}{where}") from None
+
+
+def _check_sweep_allowed(overrides: list[str], printing: bool) -> None:
+    """A sweep's values (`key=a,b`) without `-m` are refused by Hydra in 6 lines and exit status 1 unless the
+    config itself asks for a sweep (a preset's `hydra.mode: MULTIRUN`): here in one line, suggesting `-m`.
+    Called right after a job of the sweep composed, so HydraConfig holds the mode the config asks for. `--cfg`
+    prints one config, so there a sweep is refused whatever the mode."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not printing:
+        return
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override():
+            line = override.input_line
+            key, _, value = line.partition("=")
+            if printing:
+                raise ConfigError(f"{line} is a sweep but --cfg prints one config: give {key} one value")
+            if override.value_type == ValueType.SIMPLE_CHOICE_SWEEP:
+                raise ConfigError(
+                    f"{line} is a sweep over several values: add -m to run one job per value "
+                    f"(or write {key}=[{value}] for a list, {key}='{value}' for a string)"
+                )
+            raise ConfigError(f"{line} is a sweep: add -m to run one job per value")
 
 
 def compose_tool(config_name: str, overrides: list[str], list_keys: bool = False) -> DictConfig:

@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from datasets import load_dataset
-
 from parallama.data.cache import source_key
 from parallama.errors import ConfigError
 
@@ -83,7 +81,7 @@ def files(paths: str | list[str], text_key: str = "text", max_documents: int | N
     `.txt`/`.md` hold one document per file, `.jsonl`/`.json`/`.parquet` one per record
     (field `text_key`, which must be a string). Globs are expanded; files are read in sorted
     order per pattern. Files must be UTF-8 and not empty."""
-    matched = _match(paths)
+    matched = check_paths(paths)
     docs = itertools.chain.from_iterable(_read(path, text_key) for path in matched)
     return itertools.islice(docs, max_documents)
 
@@ -92,7 +90,7 @@ def _files_fingerprint(
     paths: str | list[str], text_key: str = "text", max_documents: int | None = None
 ) -> list:
     """Path, size and mtime_ns of every matched file: an edit in place changes the cache key."""
-    return [[os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in _match(paths)]
+    return [[os.path.abspath(p), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in check_paths(paths)]
 
 
 def _files_count(
@@ -103,7 +101,7 @@ def _files_count(
     import pyarrow.parquet as pq
 
     total = 0
-    for path in _match(paths):
+    for path in check_paths(paths):
         ext = _ext(path)
         if BUILDERS[ext] == "text":
             total += 1
@@ -121,8 +119,9 @@ files.fingerprint = _files_fingerprint
 files.num_documents = _files_count
 
 
-def _match(paths: str | list[str]) -> list[str]:
-    """Expand the patterns, check what can be checked without reading: existence, type, extension, size."""
+def check_paths(paths: str | list[str]) -> list[str]:
+    """Expand the patterns, check what can be checked without reading: existence, type, extension, size (also
+    the preflight's check of `data.source.paths`, config/checks.py)."""
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
         raise ConfigError("data.source.paths is empty; give a file, a glob or a list of them")
@@ -132,7 +131,7 @@ def _match(paths: str | list[str]) -> list[str]:
         if os.path.isdir(expanded):
             raise ConfigError(
                 f"data.source.paths: {pattern!r} is a directory; give files or a glob such as "
-                f"'{pattern.rstrip('/')}/*.jsonl'"
+                f"{_glob_for(pattern, expanded)!r}"
             )
         hits = sorted(glob.glob(expanded, recursive=True))
         if not hits:
@@ -148,6 +147,23 @@ def _match(paths: str | list[str]) -> list[str]:
         if os.path.getsize(path) == 0:
             raise ConfigError(f"data.source.paths: {path} is empty (0 bytes); remove it or the pattern")
     return matched
+
+
+def _glob_for(pattern: str, folder: str) -> str:
+    """The glob to suggest for a folder: its most common readable extension, in the folder itself or else
+    below it (`**`); `*.jsonl` when it holds none."""
+    base = pattern.rstrip("/")
+    for where, found in (
+        ("*", glob.glob(os.path.join(folder, "*"))),
+        ("**/*", glob.glob(os.path.join(folder, "**", "*"), recursive=True)),
+    ):
+        counts: dict[str, int] = {}
+        for path in found:
+            if os.path.isfile(path) and _ext(path) in BUILDERS:
+                counts[_ext(path)] = counts.get(_ext(path), 0) + 1
+        if counts:
+            return f"{base}/{where}{max(sorted(counts), key=counts.get)}"
+    return f"{base}/*.jsonl"
 
 
 def _ext(path: str) -> str:
@@ -179,6 +195,9 @@ def _rows(path: str) -> Iterator[dict]:
     json_log = logging.getLogger("datasets.packaged_modules.json.json")
     level = json_log.level
     json_log.setLevel(logging.CRITICAL)  # it logs the parse error we are about to raise as one line
+    # imported here: `datasets` takes seconds to import, and the preflight's check of the paths needs none of it
+    from datasets import load_dataset
+
     try:
         yield from load_dataset(builder, data_files=path, split="train", streaming=True, **options)
     except UnicodeDecodeError as e:
@@ -204,6 +223,8 @@ def hub(
 ) -> Iterable[str]:
     """A Hugging Face dataset (or anything `load_dataset(name)` accepts, e.g. a local
     folder). Streaming reads only what is used: cap web-scale sets with `max_documents`."""
+    from datasets import load_dataset
+
     ds = load_dataset(name, config_name, split=split, streaming=streaming)
     if ds.column_names is not None:
         if text_key not in ds.column_names:

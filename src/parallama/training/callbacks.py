@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -11,11 +12,14 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 
 from parallama.parallel.base import data_parallel
 from parallama.runtime.faults import Preempted
 from parallama.training.module import ends_the_run
+
+log = logging.getLogger("parallama")
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
@@ -44,6 +48,88 @@ class TokenThroughputMonitor(ThroughputMonitor):
         data = trainer.datamodule
         tokens = data.seq_len * data.batch_size
         pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * tokens * self.share
+
+
+class AtLeastOneValBatch(Callback):
+    """`trainer.limit_val_batches` as a fraction validates at least one batch, as a fraction means in
+    lightning-hydra-template's configs (0.1 of a small validation split): Lightning refuses a fraction that
+    selects no batch (0.1 x 3 batches < 1). Set when the data module is set up, before Lightning counts the
+    batches."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        limit, data = trainer.limit_val_batches, trainer.datamodule
+        if not (isinstance(limit, float) and 0 < limit < 1) or data is None:
+            return
+        batches = len(data.val_dataloader())
+        if batches and int(batches * limit) == 0:
+            log.info(f"trainer.limit_val_batches={limit} of {batches} validation batches: validating 1 batch")
+            trainer.limit_val_batches = 1
+
+
+class StepNumbers(Callback):
+    """Every logger numbers a row by the optimizer steps taken before it was logged ("step N = after N
+    optimizer steps"), as the console lines and checkpoint names (step0000500.ckpt) do.
+
+    Lightning numbers the rows of `self.log` by its count of optimizer steps as it stood before the step that
+    logged them (step 100's loss and the validation after it were row 99). Lightning takes a logged `step`
+    metric as the row's step (LoggerConnector.log_metrics), so this logs the optimizer steps as `step`
+    wherever the module logs: after each training batch and at the end of each validation. Callbacks that call
+    the loggers themselves keep their own numbering: the LearningRateMonitor's `lr-*` rows (the rate after N
+    steps, which step N+1 uses) and the ThroughputMonitor's `train/device/*` and `validate/*` rows (Lightning's
+    count; renumbering them needs its private `_compute`, see runtime/compat.py's rule)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("step", float(trainer.global_step))
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("step", float(trainer.global_step))
+
+
+class RichModelSummary(LightningRichModelSummary):
+    """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line: Lightning counts FLOPs only
+    by running the module's `example_input_array`, which a CausalLM has none of (a forward of the whole model at
+    fit start), so they read 0. The model's FLOPs per token are in the loggers' hyper-parameters
+    (`model/flops_per_token`) and the ThroughputMonitor's FLOP/s."""
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int = 0,
+        **summarize_kwargs,
+    ) -> None:
+        from lightning.pytorch.utilities.model_summary.model_summary import (
+            get_formatted_model_size,
+            get_human_readable_count,
+        )
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            style = {" ": "dim", "In sizes": "white", "Out sizes": "white"}.get(name)
+            right = name not in (" ", "Name", "Type", "Mode")
+            table.add_column(name, justify="right" if right else "left", style=style, no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        grid = Table.grid(expand=True)
+        grid.add_column()
+        untrainable = total_parameters - trainable_parameters
+        grid.add_row(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}")
+        grid.add_row(f"[bold]Non-trainable params[/]: {get_human_readable_count(int(untrainable))}")
+        grid.add_row(f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))}")
+        grid.add_row(
+            f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}"
+        )
+        grid.add_row(f"[bold]Modules in train mode[/]: {total_training_modes['train']}")
+        grid.add_row(f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}")
+        console.print(grid)
 
 
 class PreemptionCheckpoint(Callback):
@@ -103,7 +189,7 @@ class PreemptionCheckpoint(Callback):
             flag = torch.tensor([signum], device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
         if signum:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
             name = signal.Signals(signum).name
             raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
 
@@ -168,7 +254,7 @@ class LastCheckpoint(Checkpoint):
         return fitting and not trainer.fast_dev_run and new_step
 
     def _save(self, trainer) -> None:
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
         self.saved_step, self._last_saved_at = trainer.global_step, time.monotonic()
 
 

@@ -76,7 +76,7 @@ class AppendingCSVLogger(Logger):
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         row = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
         self.rows.append({**row, "step": len(self.rows) if step is None else step})
-        if step is not None and (step + 1) % self.flush_logs_every_n_steps == 0:
+        if step is not None and step % self.flush_logs_every_n_steps == 0:
             self.save()
 
     @rank_zero_only

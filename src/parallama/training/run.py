@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from parallama.config.checks import apply_global_batch, check_config
+from parallama.config.checks import apply_derived, check_config
 from parallama.config.compose import already_checked
 from parallama.config.parts import instantiate_part
 from parallama.errors import ConfigError
@@ -32,7 +32,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     datamodule, model, callbacks, logger, trainer), as lightning-hydra-template's `train` does, so a config
     composed with `hydra.compose(..., return_hydra_config=True)` can be trained from Python (tests, notebooks)."""
     if already_checked(cfg):  # by the command line's preflight: only what it derives is left to do
-        apply_global_batch(cfg)
+        apply_derived(cfg)
     else:
         check_config(cfg)
     from parallama.runtime.compat import check_internals
@@ -41,17 +41,22 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
+    one_console_for_lightning()
+
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
+    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
+    if (off := validation_off(cfg)) is not None:
+        log.info(f"validation is off ({off}): no val/loss, no best checkpoint, and no final metrics")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -81,6 +86,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
     continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
+    # not config entries: `callbacks=none` keeps the rows' step numbers and a fraction's meaning
+    callbacks += [StepNumbers(), AtLeastOneValBatch()]
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);
@@ -118,15 +125,33 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     faults.watch_ranks(trainer, output_dir)
     if ckpt_path is not None:
         check_resume(ckpt_path, model_cfg, datamodule, trainer.max_steps)
-    if cfg.validate_before_training and ckpt_path is None:
+    # not under fast_dev_run: its one validation batch comes after its one training batch
+    if cfg.validate_before_training and ckpt_path is None and not trainer.fast_dev_run:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
     sample = generate_sample(module, datamodule, cfg) if cfg.sample.max_new_tokens else None
-    report(trainer, output_dir, sample)
+    report(trainer, output_dir, sample, validation_off(cfg))
     objects = {"cfg": cfg, "datamodule": datamodule, "model": module, "callbacks": callbacks}
     objects.update(logger=loggers, trainer=trainer)
     return dict(trainer.callback_metrics), objects
+
+
+def one_console_for_lightning() -> None:
+    """Lightning's INFO lines once: importing `lightning` gives its logger a console handler of its own ("INFO:
+    ..."), and its records also reach the root logger, which Hydra's job logging (console and the run's log
+    file) configured; so each line was printed twice. Where the root logger has handlers, Lightning's go."""
+    root = logging.getLogger()
+    if (
+        not root.handlers
+    ):  # Python without Hydra's logging (a notebook): Lightning's own handler is the console
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # its console handler, not a file a user added
+                logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
@@ -181,7 +206,16 @@ def print_config(cfg: DictConfig) -> None:
     (out / "resolved_config.yaml").write_text(text)
 
 
-def report(trainer, output_dir: str, sample: str | None) -> None:
+def validation_off(cfg: DictConfig) -> str | None:
+    """What switches validation off in this config (the setting, for the user to change), or None."""
+    if cfg.data.get("val_fraction", None) == 0:
+        return "data.val_fraction=0: no validation split"
+    if cfg.trainer.get("limit_val_batches", None) == 0:
+        return "trainer.limit_val_batches=0"
+    return None
+
+
+def report(trainer, output_dir: str, sample: str | None, off: str | None = None) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from parallama.training.callbacks import LastCheckpoint
@@ -190,7 +224,7 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
         return
     lines = [f"output dir:      {output_dir}"]
     for ckpt in trainer.checkpoint_callbacks:
-        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor:
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor and ckpt.best_model_path:  # none: no line
             lines.append(
                 f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
             )
@@ -199,9 +233,14 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
         if isinstance(ckpt, LastCheckpoint) and ckpt.saved_step is not None:
             lines.append(f"last checkpoint: {ckpt.path}")
     for logger in trainer.loggers:
-        lines.append(f"{type(logger).__name__ + ':':<16} {logger.log_dir or logger.save_dir}")
+        if where := logger.log_dir or logger.save_dir:  # none: fast_dev_run's DummyLogger
+            lines.append(f"{type(logger).__name__ + ':':<16} {where}")
+    if trainer.fast_dev_run:
+        lines.append(
+            "fast_dev_run:    no checkpoints or metrics logged; the output dir holds its config and log"
+        )
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    lines.append(f"final metrics:   {metrics}")
+    lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))

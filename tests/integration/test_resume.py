@@ -121,3 +121,31 @@ def test_resuming_a_checkpoint_of_another_model_shape_is_refused(finished, tmp_p
         and "was trained with model.hidden_size=64 but this run has model.hidden_size=128" in out
     )
     assert "Traceback" not in out
+
+
+def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
+    """Found: two runs in one directory both exited 0 (the first one's last.ckpt overwritten, metrics.csv
+    interleaved), and `ckpt_path=last` resumed a run that was still writing. While the first run lives, both are
+    one line; once it has stopped, `ckpt_path=last` resumes it."""
+    run = tmp_path / "logs" / "train" / "runs" / "alive"  # where ckpt_path=last looks from tmp_path
+    proc = start_training(tmp_path, data_cache, run)
+    try:
+        wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=3)
+        proc.send_signal(signal.SIGSTOP)  # alive but paused: it cannot finish while the others start
+        for args, needle in [
+            ([f"hydra.run.dir={run}", "ckpt_path=last"], f"hydra.run.dir={run} belongs to a live run (pid "),
+            ([f"hydra.run.dir={tmp_path / 'second'}", "ckpt_path=last"], "whose run is still alive (pid "),
+        ]:
+            second = train(*args, cwd=tmp_path, cache=data_cache, check=False)
+            assert second.returncode == 2, second.stderr[-2000:]
+            errors = [line for line in (second.stdout + second.stderr).splitlines() if "error:" in line]
+            assert len(errors) == 1 and needle in errors[0], errors
+        assert proc.poll() is None  # the first run goes on
+    finally:
+        proc.send_signal(signal.SIGTERM)  # it saves last.ckpt at its next step and exits 0
+        proc.send_signal(signal.SIGCONT)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert not (run / ".owner.json").exists()  # released at its end
+    resumed = train("ckpt_path=last", "trainer.max_steps=41", cwd=tmp_path, cache=data_cache)
+    assert f"{run}" in resumed.stdout + resumed.stderr

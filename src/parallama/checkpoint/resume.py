@@ -6,7 +6,10 @@ key; see README, "Long runs".
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -42,6 +45,76 @@ def missing_ckpt_path(ckpt_path: str) -> str | None:
     return f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
 
 
+OWNER = ".owner.json"  # in the run directory: the live run that writes there
+
+
+@contextmanager
+def owning_run_dir(output_dir: str):
+    """The run directory belongs to one live run: its first process (global rank 0) records itself in `OWNER`
+    for the job's duration, and a second run into the same directory, or `ckpt_path=last` into it, is refused in
+    one line while the owner lives (found: two runs in one directory both exited 0, the first one's resume point
+    overwritten, metrics.csv interleaved). A record whose process is gone (killed, preempted) is taken over."""
+    if not _first_process():
+        yield
+        return
+    path = Path(output_dir) / OWNER
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            if owner := live_owner(output_dir):
+                raise ConfigError(
+                    f"hydra.run.dir={output_dir} belongs to a live run (pid {owner['pid']} on {owner['host']}); "
+                    "wait for it to end, or pick another hydra.run.dir"
+                ) from None
+            path.unlink(missing_ok=True)  # its run is gone: take the directory over
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    try:
+        yield
+    finally:
+        if _read_owner(path) == me:
+            path.unlink(missing_ok=True)
+
+
+def live_owner(run_dir: str | os.PathLike) -> dict | None:
+    """The live run that owns `run_dir` (`owning_run_dir`), or None."""
+    owner = _read_owner(Path(run_dir) / OWNER)
+    return owner if owner is not None and _alive(owner) else None
+
+
+def _first_process() -> bool:
+    """Global rank 0 of the job before any process group exists: no launcher's rank, or rank 0 of it."""
+    ranks = (os.environ.get(k, "0") for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    return all(r == "0" for r in ranks)
+
+
+def _read_owner(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):  # gone, or being written this instant
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (Linux: /proc/<pid>/stat field 22): a reused pid is another process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the recorded process still runs: on this host, the same pid with the same start time; a run on
+    another host (a shared filesystem) is taken to be alive."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    return _start_time(int(owner.get("pid", -1))) == owner.get("started") is not None
+
+
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
     """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
     (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
@@ -72,7 +145,13 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) ->
     ]
     if not candidates:
         raise ConfigError(f"ckpt_path=last but no run under {runs_root} has a checkpoints/last.ckpt")
-    return str(max(candidates, key=lambda p: p.stat().st_mtime))
+    newest = max(candidates, key=lambda p: p.stat().st_mtime)
+    if owner := live_owner(newest.parent.parent):  # still writing it: its next save would race this run's
+        raise ConfigError(
+            f"ckpt_path=last is {newest}, whose run is still alive (pid {owner['pid']} on {owner['host']}); "
+            "wait for it to end (or stop it: it saves last.ckpt on SIGTERM), then resume"
+        )
+    return str(newest)
 
 
 def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dict:

@@ -38,13 +38,22 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.runtime.compat import check_internals
 
     check_internals(deepspeed="deepspeed" in str(cfg.strategy.get("_target_", "")))
+    from parallama.checkpoint.resume import check_fresh_run, owning_run_dir
+
+    check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
+    with owning_run_dir(cfg.paths.output_dir):  # one live run per directory
+        return _fit(cfg)
+
+
+def _fit(cfg: DictConfig) -> tuple[dict, dict]:
+    """`train`'s job in a run directory it owns: build, fit (resuming if asked), report and sample."""
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     one_console_for_lightning()
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
-    from parallama.checkpoint.resume import check_fresh_run, check_resume, resolve_ckpt_path
+    from parallama.checkpoint.resume import check_resume, resolve_ckpt_path
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
@@ -53,7 +62,6 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
 
-    check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     print_config(cfg)
     if (off := validation_off(cfg)) is not None:
         log.info(f"validation is off ({off}): no val/loss, no best checkpoint, and no final metrics")

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from parallama.errors import ConfigError
 from parallama.parallel.dims import uses_gpu
 from parallama.parallel.layout_checks import check_layout
+from parallama.parallel.options import AC_MODES, AC_POLICIES
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
@@ -87,7 +88,9 @@ RULES = {  # checked when the key exists (strategy keys only for the strategies 
     "seed": Rule(int, 0),
     "global_batch_size": Rule(int, 1, allow=(None,)),
     "compile": Rule(bool),
-    "activation_checkpointing": Rule(bool),
+    "activation_checkpointing": Rule(str, choices=AC_MODES, allow=(True, False)),  # true: full, false: none
+    "activation_checkpointing_policy.mode": Rule(str, choices=AC_POLICIES),
+    "activation_checkpointing_policy.every_n": Rule(int, 1),
     "validate_before_training": Rule(bool),
     "data.seq_len": Rule(int, 1),
     "data.batch_size": Rule(int, 1),

@@ -83,13 +83,14 @@ class Parallelism:
         """A parameter's logical shape (which decides its weight decay)."""
         return param.shape
 
-    def parallelize(self, model, plan: Callable, *, compile: bool, activation_checkpointing: bool):
+    def parallelize(self, model, plan: Callable, *, compile: bool, activation_checkpointing):
         """The model family's plan (`plan(model, options)`, models/<family>/parallelize.py) with this
-        strategy's options."""
+        strategy's options. `activation_checkpointing`: a bool, a mode or {mode, policy, every_n}
+        (`ACOptions.of`)."""
         options = self.parallelize_options(compile=compile, activation_checkpointing=activation_checkpointing)
         return plan(model, options)
 
-    def parallelize_options(self, *, compile: bool, activation_checkpointing: bool) -> ParallelizeOptions:
+    def parallelize_options(self, *, compile: bool, activation_checkpointing) -> ParallelizeOptions:
         """What the model's plan applies. Default: nothing sharded here (DDP and DeepSpeed shard by themselves)."""
         return ParallelizeOptions(
             dims=self.dims, compile=compile, activation_checkpointing=activation_checkpointing

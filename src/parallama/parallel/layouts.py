@@ -85,7 +85,7 @@ def in_flight(layout: Layout) -> float:
 
 
 def estimate_layout(
-    c, layout: Layout, *, seq_len: int, micro_batch: int, precision: str, activation_checkpointing: bool
+    c, layout: Layout, *, seq_len: int, micro_batch: int, precision: str, activation_checkpointing
 ) -> Estimate:
     """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step)."""
     dims = layout.dims

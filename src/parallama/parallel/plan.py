@@ -121,7 +121,7 @@ def activation_bytes(
     tokens: int,
     e: int,
     e_res: int,
-    checkpointing: bool,
+    checkpointing,
     *,
     tp: int = 1,
     sequence_parallel: bool = False,
@@ -135,6 +135,13 @@ def activation_bytes(
     `attention_activations`: rotated q and k, v, attention output; a Qwen3's q/k norm inputs too), MLP input h,
     gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
     log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
+
+    `checkpointing`: a bool (full / none), a mode, or `parallel.options.ACOptions`. Selective, per-op policy:
+    a block keeps its input (residual), the matmuls' and attention's outputs, i.e. q, k, v and the attention
+    output (`attention_activations`, split by tp), gate and up (2i / tp), o's and down's outputs (2h, whole):
+    `residual + 2 h e + (attention_activations + 2 i) e / tp` per layer (no norm outputs, no silu(gate) and
+    product: 1 residual + 2i / tp less than none), plus one block recomputing those (2 h e + 2 i e / tp).
+    Selective every_n: `L // n` blocks as full (their input), the others as none, plus one block recomputing.
     The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
 
     Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
@@ -142,10 +149,22 @@ def activation_bytes(
     the residual stream. The projections' inputs (and the head's) are gathered whole under either.
     `head=False`: the blocks only (a pipeline stage without the head).
     """
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    from parallama.parallel.options import ACOptions
+
+    ac = ACOptions.of(checkpointing)
+    h, i, v, n = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
     residual = h * e_res // (tp if sequence_parallel else 1)
     block = 2 * residual + 2 * h * e + (c.attention_activations() + 4 * i) * e // tp
-    layers = c.num_hidden_layers * residual + block if checkpointing else c.num_hidden_layers * block
+    if ac.mode == "none":
+        layers = n * block
+    elif ac.mode == "full":
+        layers = n * residual + block
+    elif ac.policy == "op":
+        kept = residual + 2 * h * e + (c.attention_activations() + 2 * i) * e // tp
+        layers = n * kept + 2 * h * e + 2 * i * e // tp
+    else:  # every_n
+        full = n // ac.every_n
+        layers = full * residual + (n - full) * block + (block if full else 0)
     logits = v // tp * (e + 4 + (4 if e != 4 else 0))
     return tokens * (layers + (residual + h * e + logits if head else 0))
 
@@ -165,7 +184,7 @@ def estimate(
     seq_len: int,
     micro_batch: int,
     precision: str,
-    activation_checkpointing: bool,
+    activation_checkpointing,
     strategies: dict[str, MemoryProfile] | None = None,
 ) -> dict[str, Estimate]:
     """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the

@@ -72,7 +72,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         compile=cfg.compile,
-        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing=activation_checkpointing(cfg),
         init_from=cfg.init_from,
         _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
@@ -205,3 +205,15 @@ def report(trainer, output_dir: str, sample: str | None) -> None:
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))
+
+
+def activation_checkpointing(cfg: DictConfig) -> str | dict:
+    """What the module hands the strategy's plan (parallel/options.py `ACOptions.of`): the mode, and under
+    selective its policy (`activation_checkpointing_policy`), as plain values a checkpoint keeps weights-only."""
+    from parallama.parallel.options import ACOptions
+
+    mode = ACOptions.of(cfg.activation_checkpointing).mode
+    if mode != "selective":
+        return mode
+    policy = cfg.get("activation_checkpointing_policy") or {}
+    return {"mode": mode, "policy": policy.get("mode", "op"), "every_n": policy.get("every_n", 2)}

@@ -4,7 +4,8 @@ arguments:
 
 1. tensor parallel (`apply_tp`, on the mesh's `tp` dimension): weights become DTensors split across tp ranks,
    optionally with sequence parallel between the blocks;
-2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed;
+2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed
+   (full), or only its cheap ops / every n-th block (selective);
 3. compile (`apply_compile`): each block, TP's DTensor ops traced with it;
 4. FSDP2 (`apply_fsdp`) on the data-parallel mesh: `dp_shard` (FSDP), or (dp_replicate, dp_shard) (HSDP: shard
    within a group, replicate across groups); a TP weight becomes a 2-D DTensor (dp_shard, tp).
@@ -42,8 +43,8 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
             loss_parallel=options.loss_parallel,
             block_plan=block_plan or tp_block_plan,
         )
-    if options.activation_checkpointing:
-        apply_ac(model)
+    if (ac := options.activation_checkpointing).enabled:
+        apply_ac(model, ac.mode, policy=ac.policy, every_n=ac.every_n)
     if options.compile:
         apply_compile(model)
     if options.fsdp is not None:

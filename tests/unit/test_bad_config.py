@@ -110,6 +110,12 @@ CASES = [  # (overrides, what the one line must say)
         ["activation_checkpointing_policy.every_n=0"],
         "activation_checkpointing_policy.every_n=0 is not valid; use an integer >= 1",
     ),
+    (["float8=fp4"], "float8='fp4' is not valid; use one of 'tensorwise', 'rowwise' or null"),
+    (
+        ["float8=tensorwise", "model.intermediate_size=200"],
+        "float8=tensorwise: layers.0.mlp.gate_proj is 128 -> 200, float8 matmuls need both multiples of 16",
+    ),
+    (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),
     (["validate_before_training=maybe"], "validate_before_training='maybe' is not valid"),
     (["callbacks.last_checkpoint.every_n_train_steps=0"], "callbacks.last_checkpoint.every_n_train_steps=0"),
     (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode='sometimes' is not valid"),
@@ -176,6 +182,7 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
         ["trainer.max_steps=5"],  # a smoke test: the default warmup (auto) shrinks to fit
         ["activation_checkpointing=selective", "activation_checkpointing_policy.mode=every_n"],
         ["activation_checkpointing=true"],
+        ["float8=rowwise"],
         ["trainer.fast_dev_run=true"],
         ["debug=fdr"],
         ["debug=limit"],

@@ -206,3 +206,31 @@ def test_selective_checkpointing_is_planned_and_measured_between_none_and_full()
         measured[name] = _live_bytes(model, ids)
     assert 0.9 <= measured["op"] / op < 1.25, measured["op"] / op
     assert 0.9 <= measured["every_2"] / every_2 < 1.25, measured["every_2"] / every_2
+
+
+def test_float8_tensorwise_gathers_the_blocks_weights_in_one_byte():
+    """FSDP2's float8 all-gather (tensorwise): the gathered blocks' matmul weights take 1 byte, not the compute
+    dtype's 2; rowwise, a single process and unsharded strategies are unchanged; activations are unchanged."""
+    from parallama.parallel.dims import ParallelDims
+    from parallama.parallel.layouts import Layout, estimate_layout
+
+    matmuls, _ = LLAMA3_8B.block_params()
+    shape = dict(world_size=8, precision="bf16-mixed", checkpointing=True)
+    base = plans(LLAMA3_8B, **shape)  # float8=None
+    for recipe, saved in (("tensorwise", 2 * matmuls * (2 - 1)), ("rowwise", 0)):
+        ours = estimate(
+            LLAMA3_8B,
+            world_size=8,
+            seq_len=64,
+            micro_batch=2,
+            precision="bf16-mixed",
+            activation_checkpointing=True,
+            float8=recipe,
+        )
+        assert base["fsdp"].gathered - ours["fsdp"].gathered == saved
+        assert base["fsdp"].activations == ours["fsdp"].activations
+        assert base["ddp"] == ours["ddp"]
+    layout = Layout(ParallelDims(dp_shard=4, tp=2), sequence_parallel=True)
+    kwargs = dict(seq_len=64, micro_batch=2, precision="bf16-mixed", activation_checkpointing=True)
+    plain, float8 = (estimate_layout(LLAMA3_8B, layout, float8=f, **kwargs) for f in (None, "tensorwise"))
+    assert plain.gathered - float8.gathered == 2 * (matmuls // 2)

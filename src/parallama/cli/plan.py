@@ -67,6 +67,10 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             "searched among none and full"
         )
 
+    float8 = cfg.get(
+        "float8"
+    )  # tensorwise: FSDP2 gathers the blocks' weights in float8 (plan.float8_gathered)
+
     def how(c):
         return ac if c == "selective" else c
 
@@ -85,7 +89,12 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     )
     for name in [n for n, p in strategies.items() if p.layouts]:
         layout, with_ckpt, _ = search(
-            config, **mesh, precision=precision, gpu_memory_gb=gpu_memory_gb, checkpointing=(how(ckpt), True)
+            config,
+            **mesh,
+            precision=precision,
+            gpu_memory_gb=gpu_memory_gb,
+            checkpointing=(how(ckpt), True),
+            float8=float8,
         )
         if layout is None:
             notes.append(f"{name}: no layout of {nodes} x {per_node} GPUs fits")
@@ -102,6 +111,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
                 micro_batch=shape["micro_batch"],
                 precision=precision,
                 activation_checkpointing=how(c),
+                float8=float8,
             )
     rows = {
         c: {k: {**asdict(e), "total": e.total, "fits": e.fits(gpu_memory_gb)} for k, e in p.items()}

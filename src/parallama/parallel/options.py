@@ -124,6 +124,18 @@ class ACOptions:
         return self.enabled
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (parallel/float8.py)
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    """float8 training of the blocks' linears (parallel/float8.py): `recipe` tensorwise or rowwise; `emulate`
+    where the device has no float8 matmul (CPU)."""
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+
+
 @dataclass(frozen=True)
 class ParallelizeOptions:
     """sequence_parallel: with dims.tp > 1, norms and the activations between blocks split on the sequence.
@@ -138,6 +150,7 @@ class ParallelizeOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     pipeline: PipelineOptions | None = None  # set when dims.pp > 1: the plan splits the model into stages
+    float8: Float8Options | None = None  # the blocks' linears in float8, converted first (before TP)
 
     def __post_init__(self):
         object.__setattr__(self, "activation_checkpointing", ACOptions.of(self.activation_checkpointing))

@@ -169,6 +169,19 @@ def activation_bytes(
     return tokens * (layers + (residual + h * e + logits if head else 0))
 
 
+def float8_gathered(c, how: str, e: int, float8: str | None, blocks: int | None = None) -> int:
+    """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' matmul weights
+    are all-gathered in float8 (1 byte, not `e`); rowwise gathers them in the high precision (0 saved). The
+    saved activations are unchanged: torchao's Float8Linear keeps its input and weight for backward in the high
+    precision and casts them again. `blocks`: how many are gathered (default: `how`'s, all or 2)."""
+    if float8 != "tensorwise":
+        return 0
+    matmuls, _ = c.block_params()
+    if blocks is None:
+        blocks = c.num_hidden_layers if how == "all" else min(2, c.num_hidden_layers)
+    return blocks * matmuls * (e - 1)
+
+
 def _gathered_params(c, how: str) -> int:
     """Parameters unsharded at once: all, or the root (embedding, lm_head, final norm) plus two blocks."""
     if how == "all":
@@ -186,9 +199,10 @@ def estimate(
     precision: str,
     activation_checkpointing,
     strategies: dict[str, MemoryProfile] | None = None,
+    float8: str | None = None,
 ) -> dict[str, Estimate]:
     """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the
-    accounting; those with `layouts` are searched by parallel/layouts.py)."""
+    accounting; those with `layouts` are searched by parallel/layouts.py). `float8`: see `float8_gathered`."""
     n, psi = world_size, config.num_params()
     out = {}
     for name, s in (strategies or profiles()).items():
@@ -203,6 +217,8 @@ def estimate(
             gathered = psi * per[3]  # autocast's bf16 copies (0 in fp32 and for DeepSpeed)
         else:
             gathered = _gathered_params(config, s.gathered) * (per[3] or per[0])
+            if s.engine == "fsdp" and n > 1:
+                gathered -= float8_gathered(config, s.gathered, per[3] or per[0], float8)
         e = 4 if precision in FP32 else 2
         e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
         acts = activation_bytes(config, seq_len * micro_batch, e, e_res, activation_checkpointing)

@@ -87,6 +87,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     # other plugins (launcher=slurm's SLURMEnvironment) are kept.
     plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
     strategy = hydra.utils.instantiate(cfg.strategy)
+    if cfg.get("float8") is not None:  # the blocks' linears in float8 (parallel/float8.py), through the plan
+        from parallama.training.callbacks import Float8Scales
+
+        strategy.float8 = cfg.float8
+        callbacks = [*callbacks, Float8Scales()]
     processes = processes_per_node(cfg.trainer.devices, cfg.trainer.accelerator)
     if isinstance(strategy, Parallelism) and strategy.reruns_the_command and needs_launch(processes):
         start_ranks(processes, cfg.trainer.num_nodes)  # after the tokenizer exists: the ranks read it

@@ -73,6 +73,9 @@ def test_float8_tensor_parallel_trains_as_one_process(weights):
 def test_float8_fsdp_trains_as_ddp_and_resumes(weights):
     actual, expected = weights["fsdp"], weights["ddp"]
     assert actual.keys() == expected.keys() == weights["auto"].keys()
+    # the HF folder holds the plain model's tensors: its names, fp32, none of torchao's (scales, float8 data)
+    assert "model.layers.0.mlp.gate_proj.weight" in actual and "lm_head.weight" in actual
+    assert all(k.endswith(".weight") and v.dtype == torch.float32 for k, v in actual.items())
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
     resumed = weights["fsdp_resumed"]

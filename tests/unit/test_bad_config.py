@@ -143,6 +143,10 @@ CASES = [  # (overrides, what the one line must say)
 ]
 ON_CPU_ONLY = [
     (
+        ["float8=tensorwise", "strategy=model_parallel", "strategy.tp=2", "strategy.sequence_parallel=true"],
+        "float8=tensorwise with strategy.sequence_parallel=true needs GPUs",
+    ),
+    (
         ["strategy=ddp", "strategy.process_group_backend=nccl"],
         "strategy.process_group_backend=nccl needs GPUs",
     ),

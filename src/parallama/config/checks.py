@@ -28,7 +28,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
     _check_recipe(cfg)
-    _check_float8(cfg, on_gpu=hardware and uses_gpu(cfg.trainer.accelerator))
+    _check_float8(cfg, hardware)
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
@@ -186,13 +186,20 @@ def show(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def _check_float8(cfg: DictConfig, on_gpu: bool) -> None:
+def _check_float8(cfg: DictConfig, hardware: bool) -> None:
     """float8 (parallel/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
     from parallama.parallel.float8 import check_float8
 
     recipe = cfg.get("float8")
     if recipe is None:
         return
+    on_gpu = hardware and uses_gpu(cfg.trainer.accelerator)
+    if hardware and not on_gpu and cfg.strategy.get("sequence_parallel") and cfg.strategy.get("tp", 1) > 1:
+        raise ConfigError(
+            f"float8={recipe} with strategy.sequence_parallel=true needs GPUs: torchao's float8 tensor-parallel "
+            "styles all-gather gradients in float8, which gloo (CPU) cannot send; use "
+            "strategy.sequence_parallel=false on CPU"
+        )
     if "DeepSpeed" in str(cfg.strategy.get("_target_", "")):
         raise ConfigError(
             f"float8={recipe} is not supported under strategy=deepspeed (its partitioning of torchao's Float8Linear "

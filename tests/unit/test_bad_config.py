@@ -99,7 +99,25 @@ CASES = [  # (overrides, what the one line must say)
     (["sample.temperature=-1"], "sample.temperature=-1 is not valid; use a number >= 0"),
     (["sample.top_k=0"], "sample.top_k=0 is not valid; use an integer >= 1 or null"),
     (["compile=yes"], "compile='yes' is not valid; use true or false"),
-    (["activation_checkpointing=2"], "activation_checkpointing=2 is not valid; use true or false"),
+    (
+        ["activation_checkpointing=2"],
+        "activation_checkpointing=2 is not valid; use one of 'none', 'full', 'selective' or true or false",
+    ),
+    (["activation_checkpointing=some"], "activation_checkpointing='some' is not valid; use one of 'none'"),
+    (
+        ["activation_checkpointing_policy.mode=half"],
+        "activation_checkpointing_policy.mode='half' is not valid; use one of 'op', 'every_n'",
+    ),
+    (
+        ["activation_checkpointing_policy.every_n=0"],
+        "activation_checkpointing_policy.every_n=0 is not valid; use an integer >= 1",
+    ),
+    (["float8=fp4"], "float8='fp4' is not valid; use one of 'tensorwise', 'rowwise' or null"),
+    (
+        ["float8=tensorwise", "model.intermediate_size=200"],
+        "float8=tensorwise: layers.0.mlp.gate_proj is 128 -> 200, float8 matmuls need both multiples of 16",
+    ),
+    (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),
     (["validate_before_training=maybe"], "validate_before_training='maybe' is not valid"),
     (["callbacks.last_checkpoint.every_n_train_steps=0"], "callbacks.last_checkpoint.every_n_train_steps=0"),
     (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode='sometimes' is not valid"),
@@ -138,6 +156,10 @@ CASES = [  # (overrides, what the one line must say)
 ]
 ON_CPU_ONLY = [
     (
+        ["float8=tensorwise", "strategy=model_parallel", "strategy.tp=2", "strategy.sequence_parallel=true"],
+        "float8=tensorwise with strategy.sequence_parallel=true needs GPUs",
+    ),
+    (
         ["strategy=ddp", "strategy.process_group_backend=nccl"],
         "strategy.process_group_backend=nccl needs GPUs",
     ),
@@ -175,6 +197,9 @@ def test_gpu_settings_on_a_cpu_machine(overrides, message):
     "overrides",
     [
         ["trainer.max_steps=5"],  # a smoke test: the default warmup (auto) shrinks to fit
+        ["activation_checkpointing=selective", "activation_checkpointing_policy.mode=every_n"],
+        ["activation_checkpointing=true"],
+        ["float8=rowwise"],
         ["trainer.fast_dev_run=true"],
         ["debug=fdr"],
         ["debug=limit"],

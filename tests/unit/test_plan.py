@@ -155,3 +155,82 @@ def test_saved_activation_bytes_match_the_estimate_in_fp32():
     apply_ac(model)  # what activation_checkpointing=true applies, without Lightning
     checkpointed = _saved_bytes(model, ids)
     assert checkpointed < plans(seq_len=128, checkpointing=True)["ddp"].activations < expected / 2
+
+
+def _live_bytes(model: Llama, ids: torch.Tensor) -> int:
+    """Bytes a forward + loss leaves alive for backward, however they are kept (autograd's saved tensors or
+    selective checkpointing's own store): every storage an op made, weakly held, alive after forward."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made = []
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made.append(weakref.ref(t.untyped_storage()))
+            return out
+
+    with Track():
+        loss = F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+    gc.collect()  # `loss` holds the graph, and the graph what backward needs
+    alive = {s.data_ptr(): s.nbytes() for ref in made if (s := ref()) is not None}  # an address may be reused
+    return sum(alive.values()) - loss.untyped_storage().nbytes()
+
+
+def test_selective_checkpointing_is_planned_and_measured_between_none_and_full():
+    from parallama.parallel.options import ACOptions
+
+    tokens, h, i, L = 2 * 128, SMALL.hidden_size, SMALL.intermediate_size, SMALL.num_hidden_layers
+    none, full = (
+        plans(seq_len=128)["ddp"].activations,
+        plans(seq_len=128, checkpointing=True)["ddp"].activations,
+    )
+    op = plans(seq_len=128, checkpointing="selective")["ddp"].activations
+    every_2 = plans(seq_len=128, checkpointing=ACOptions("selective", "every_n", 2))["ddp"].activations
+    # the formula (fp32: 4 bytes): op keeps per layer one residual and the MLP's silu(gate) and product (2i) less
+    # than none, and adds one block recomputing its norm outputs (2h) and those (2i)
+    assert none - op == tokens * (L * (4 * h + 4 * 2 * i) - (4 * 2 * h + 4 * 2 * i))
+    assert full < op < none and full < every_2 < none
+    torch.manual_seed(0)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 128))
+    measured = {}
+    for name, how in (("op", {"policy": "op"}), ("every_2", {"policy": "every_n", "every_n": 2})):
+        model = Llama(SMALL)
+        apply_ac(model, "selective", **how)
+        measured[name] = _live_bytes(model, ids)
+    assert 0.9 <= measured["op"] / op < 1.25, measured["op"] / op
+    assert 0.9 <= measured["every_2"] / every_2 < 1.25, measured["every_2"] / every_2
+
+
+def test_float8_tensorwise_gathers_the_blocks_weights_in_one_byte():
+    """FSDP2's float8 all-gather (tensorwise): the gathered blocks' matmul weights take 1 byte, not the compute
+    dtype's 2; rowwise, a single process and unsharded strategies are unchanged; activations are unchanged."""
+    from parallama.parallel.dims import ParallelDims
+    from parallama.parallel.layouts import Layout, estimate_layout
+
+    matmuls, _ = LLAMA3_8B.block_params()
+    shape = dict(world_size=8, precision="bf16-mixed", checkpointing=True)
+    base = plans(LLAMA3_8B, **shape)  # float8=None
+    for recipe, saved in (("tensorwise", 2 * matmuls * (2 - 1)), ("rowwise", 0)):
+        ours = estimate(
+            LLAMA3_8B,
+            world_size=8,
+            seq_len=64,
+            micro_batch=2,
+            precision="bf16-mixed",
+            activation_checkpointing=True,
+            float8=recipe,
+        )
+        assert base["fsdp"].gathered - ours["fsdp"].gathered == saved
+        assert base["fsdp"].activations == ours["fsdp"].activations
+        assert base["ddp"] == ours["ddp"]
+    layout = Layout(ParallelDims(dp_shard=4, tp=2), sequence_parallel=True)
+    kwargs = dict(seq_len=64, micro_batch=2, precision="bf16-mixed", activation_checkpointing=True)
+    plain, float8 = (estimate_layout(LLAMA3_8B, layout, float8=f, **kwargs) for f in (None, "tensorwise"))
+    assert plain.gathered - float8.gathered == 2 * (matmuls // 2)

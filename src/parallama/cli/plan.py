@@ -16,7 +16,7 @@ from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node
 from parallama.parallel.layouts import Layout, estimate_layout, search
-from parallama.parallel.options import stages_per_rank
+from parallama.parallel.options import ACOptions, stages_per_rank
 from parallama.parallel.plan import (
     FP32,
     GIB,
@@ -54,11 +54,32 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             "bf16-mixed"  # FSDP's own mixed precision: fp32 states, 16-bit compute, as planned for fsdp
         )
         notes.append(f"strategy.mixed_precision={cfg.strategy.mixed_precision}: planning 16-bit activations")
-    ckpt = bool(cfg.activation_checkpointing)
+    # The run's activation checkpointing: False (none), True (full) or "selective" (its policy: `ac`); the
+    # recommendation is searched among none and full.
+    policy = cfg.get("activation_checkpointing_policy") or {}
+    ac = ACOptions.of(cfg.activation_checkpointing)
+    if ac.mode == "selective":
+        ac = ACOptions("selective", policy.get("mode", "op"), policy.get("every_n", 2))
+    ckpt = {"none": False, "full": True}.get(ac.mode, "selective")
+    if ckpt == "selective":
+        notes.append(
+            f"activation_checkpointing=selective ({ac.policy}): the table's estimates; the recommendation is "
+            "searched among none and full"
+        )
+
+    float8 = cfg.get(
+        "float8"
+    )  # tensorwise: FSDP2 gathers the blocks' weights in float8 (plan.float8_gathered)
+
+    def how(c):
+        return ac if c == "selective" else c
+
     nodes, per_node = cfg.trainer.num_nodes, processes_per_node(cfg.trainer.devices)
     shape = dict(world_size=nodes * per_node, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
     plans = {
-        c: estimate(config, precision=precision, activation_checkpointing=c, strategies=strategies, **shape)
+        c: estimate(
+            config, precision=precision, activation_checkpointing=how(c), strategies=strategies, **shape
+        )
         for c in {ckpt, True}
     }
     # N-D profiles: the first layout that fits (or none), and the layout the config asks for, if it is one
@@ -68,12 +89,17 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     )
     for name in [n for n, p in strategies.items() if p.layouts]:
         layout, with_ckpt, _ = search(
-            config, **mesh, precision=precision, gpu_memory_gb=gpu_memory_gb, checkpointing=(ckpt, True)
+            config,
+            **mesh,
+            precision=precision,
+            gpu_memory_gb=gpu_memory_gb,
+            checkpointing=(how(ckpt), True),
+            float8=float8,
         )
         if layout is None:
             notes.append(f"{name}: no layout of {nodes} x {per_node} GPUs fits")
             continue
-        layouts[name], searched[name] = layout, with_ckpt
+        layouts[name], searched[name] = layout, ckpt if with_ckpt is ac else with_ckpt
     if cfg.strategy.get("_target_", "").endswith(".ModelParallel"):
         layouts["model_parallel (as configured)"] = configured_layout(cfg)
     for name, layout in layouts.items():
@@ -84,7 +110,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
                 seq_len=shape["seq_len"],
                 micro_batch=shape["micro_batch"],
                 precision=precision,
-                activation_checkpointing=c,
+                activation_checkpointing=how(c),
+                float8=float8,
             )
     rows = {
         c: {k: {**asdict(e), "total": e.total, "fits": e.fits(gpu_memory_gb)} for k, e in p.items()}
@@ -168,13 +195,13 @@ def show(result: dict) -> None:
 
     console, ckpt = Console(width=max(Console().width, 120)), result["activation_checkpointing"]
     columns = ["params", "grads", "optim", "gathered", "activations", "total", "fits"]
-    columns += [] if ckpt else ["total w/ ckpt", "fits"]
+    columns += [] if ckpt is True else ["total w/ ckpt", "fits"]
     title = f"Per-GPU memory (GiB), {result['num_params'] / 1e9:.3g} B parameters"
     table = Table("strategy", *(Column(c, justify="right") for c in columns), title=title)
     for name, e in result["estimates"].items():
         label = f"{name}\n  {e['layout']}" if "layout" in e else name
         cells = [f"{e[k] / GIB:.1f}" for k in ("params", "grads", "optim", "gathered", "activations")]
-        for r in [e] if ckpt else [e, result["estimates_checkpointing"][name]]:
+        for r in [e] if ckpt is True else [e, result["estimates_checkpointing"][name]]:
             cells += [f"{r['total'] / GIB:.1f}", "yes" if r["fits"] else "no"]
         table.add_row(label, *cells)
     console.print(table)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from parallama.errors import ConfigError
 from parallama.parallel.dims import uses_gpu
 from parallama.parallel.layout_checks import check_layout
+from parallama.parallel.options import AC_MODES, AC_POLICIES, FLOAT8_RECIPES
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
@@ -33,6 +34,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
             f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
         )
     _check_recipe(cfg)
+    _check_float8(cfg, hardware)
     if hardware:
         _check_devices(trainer)
         _check_strategy(cfg)
@@ -166,7 +168,10 @@ RULES = {  # checked when the key exists (strategy keys only for the strategies 
     "seed": Rule(int, 0),
     "global_batch_size": Rule(int, 1, allow=(None,)),
     "compile": Rule(bool),
-    "activation_checkpointing": Rule(bool),
+    "activation_checkpointing": Rule(str, choices=AC_MODES, allow=(True, False)),  # true: full, false: none
+    "activation_checkpointing_policy.mode": Rule(str, choices=AC_POLICIES),
+    "activation_checkpointing_policy.every_n": Rule(int, 1),
+    "float8": Rule(str, choices=FLOAT8_RECIPES, allow=(None,)),
     "validate_before_training": Rule(bool),
     "data.seq_len": Rule(int, 1),
     "data.batch_size": Rule(int, 1),
@@ -252,6 +257,30 @@ def _check_values(cfg: DictConfig) -> None:
 
 def show(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _check_float8(cfg: DictConfig, hardware: bool) -> None:
+    """float8 (parallel/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
+    from parallama.parallel.float8 import check_float8
+
+    recipe = cfg.get("float8")
+    if recipe is None:
+        return
+    on_gpu = hardware and uses_gpu(cfg.trainer.accelerator)
+    if hardware and not on_gpu and cfg.strategy.get("sequence_parallel") and cfg.strategy.get("tp", 1) > 1:
+        raise ConfigError(
+            f"float8={recipe} with strategy.sequence_parallel=true needs GPUs: torchao's float8 tensor-parallel "
+            "styles all-gather gradients in float8, which gloo (CPU) cannot send; use "
+            "strategy.sequence_parallel=false on CPU"
+        )
+    if "DeepSpeed" in str(cfg.strategy.get("_target_", "")):
+        raise ConfigError(
+            f"float8={recipe} is not supported under strategy=deepspeed (its partitioning of torchao's Float8Linear "
+            "is untested); use strategy=fsdp, model_parallel, ddp or auto, or float8=null"
+        )
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields["vocab_size"] = fields.get("vocab_size") or 64  # the head is not converted: any size does
+    check_float8(recipe, on_gpu=on_gpu, model_fields=fields)
 
 
 def _check_model_shape(model: DictConfig) -> None:

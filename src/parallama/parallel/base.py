@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
 from parallama.parallel.dims import ParallelDims
-from parallama.parallel.options import ParallelizeOptions
+from parallama.parallel.options import Float8Options, ParallelizeOptions
 
 log = logging.getLogger("parallama")
 
@@ -41,6 +41,7 @@ class Parallelism:
     memory_profiles: ClassVar[tuple] = ()  # parallel.plan.MemoryProfile
     reruns_the_command: ClassVar[bool] = True  # its ranks run this job's command (not spawned by Lightning)
     _universal_loaded = False
+    float8: str | None = None  # `float8` of conf/train.yaml (parallel/float8.py), set by parallama-train
 
     # --- the device mesh --------------------------------------------------------------------------------
 
@@ -83,16 +84,23 @@ class Parallelism:
         """A parameter's logical shape (which decides its weight decay)."""
         return param.shape
 
-    def parallelize(self, model, plan: Callable, *, compile: bool, activation_checkpointing: bool):
+    def parallelize(self, model, plan: Callable, *, compile: bool, activation_checkpointing):
         """The model family's plan (`plan(model, options)`, models/<family>/parallelize.py) with this
-        strategy's options."""
+        strategy's options. `activation_checkpointing`: a bool, a mode or {mode, policy, every_n}
+        (`ACOptions.of`)."""
         options = self.parallelize_options(compile=compile, activation_checkpointing=activation_checkpointing)
         return plan(model, options)
 
-    def parallelize_options(self, *, compile: bool, activation_checkpointing: bool) -> ParallelizeOptions:
+    def parallelize_options(self, *, compile: bool, activation_checkpointing) -> ParallelizeOptions:
         """What the model's plan applies. Default: nothing sharded here (DDP and DeepSpeed shard by themselves)."""
+        float8 = None
+        if self.float8 is not None:  # torchao's emulation where there is no float8 matmul
+            float8 = Float8Options(self.float8, emulate=self.root_device.type != "cuda")
         return ParallelizeOptions(
-            dims=self.dims, compile=compile, activation_checkpointing=activation_checkpointing
+            dims=self.dims,
+            compile=compile,
+            activation_checkpointing=activation_checkpointing,
+            float8=float8,
         )
 
     # What a layout adds to a training step (CausalLM.step_loss runs it): none by default.

@@ -34,10 +34,77 @@ def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str], plan: str
             )
 
 
-def apply_ac(model: nn.Module) -> None:
-    """Activation checkpointing: each block recomputes its activations in backward instead of storing them."""
-    for block in model.layers.values():
-        checkpoint_forward(block)
+def apply_ac(model: nn.Module, mode: str = "full", *, policy: str = "op", every_n: int = 2) -> None:
+    """Activation checkpointing of each block of `model.layers` (parallel/options.py `ACOptions`):
+
+    - "full": each block keeps only its input and recomputes the rest in backward;
+    - "selective", `policy="op"`: per-op selective checkpointing (torchtitan's): the outputs of the ops in
+      `SAVE_OPS` (matmuls, attention, TP's reduce-scatter) are kept, the cheap ones (norms, rope, SiLU, products,
+      residual adds) recomputed, so backward recomputes no matmul;
+    - "selective", `policy="every_n"`: every n-th block (the n-th, 2n-th, ...: keys n-1, 2n-1, ...) fully
+      checkpointed, the others not;
+    - "none": nothing.
+
+    Applied before compile (parallel order: TP, AC, compile, FSDP), so each compiled block traces its own
+    checkpoint, as torchtitan's; state-dict keys stay the same.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective") or policy not in ("op", "every_n"):
+        raise ValueError(f"apply_ac: mode={mode!r}, policy={policy!r}")
+    for position, (key, block) in enumerate(model.layers.items()):
+        # The key, not the position, under a pipeline stage (which holds some blocks, keyed as in the model).
+        index = int(key) if str(key).isdigit() else position
+        if mode == "selective" and policy == "every_n":
+            if (index + 1) % every_n == 0:
+                checkpoint_forward(block)
+        else:
+            checkpoint_forward(block, selective=mode == "selective")
+
+
+def _save_ops() -> set:
+    """torchtitan's `_save_list` (torchtitan/distributed/activation_checkpoint.py), every matmul kept: the ops whose
+    outputs selective checkpointing keeps (those that exist in this torch)."""
+    names = [
+        ("aten", "mm"),
+        ("aten", "addmm"),
+        ("aten", "bmm"),
+        ("aten", "baddbmm"),
+        ("aten", "_scaled_mm"),  # float8 matmuls
+        ("aten", "_scaled_dot_product_flash_attention"),
+        ("aten", "_scaled_dot_product_efficient_attention"),
+        ("aten", "_scaled_dot_product_cudnn_attention"),
+        ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("aten", "_flash_attention_forward"),
+        ("aten", "_efficient_attention_forward"),
+        ("_c10d_functional", "reduce_scatter_tensor"),
+        # The absolute maximum float8 scales by: cheap to keep, and recomputing it could round differently.
+        ("aten", "max"),
+    ]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None and "default" in packet.overloads():
+            ops.add(packet.default)
+    return ops
+
+
+SAVE_OPS: set = set()  # filled on first use (looking up torch.ops loads the c10d functional ops)
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """A (forward, recompute) context pair for `checkpoint(context_fn=...)`: keep SAVE_OPS' outputs."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if not SAVE_OPS:
+        SAVE_OPS.update(_save_ops())
+    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -76,14 +143,16 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def checkpoint_forward(block: nn.Module) -> None:
-    """Recompute the block in backward instead of storing its activations. Keeps state-dict keys unchanged."""
+def checkpoint_forward(block: nn.Module, *, selective: bool = False) -> None:
+    """Recompute the block in backward instead of storing its activations (`selective`: only the ops outside
+    SAVE_OPS). Keeps state-dict keys unchanged."""
     forward = block.forward
+    extra = {"context_fn": selective_contexts} if selective else {}
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     block.forward = checkpointed

@@ -85,7 +85,14 @@ def in_flight(layout: Layout) -> float:
 
 
 def estimate_layout(
-    c, layout: Layout, *, seq_len: int, micro_batch: int, precision: str, activation_checkpointing: bool
+    c,
+    layout: Layout,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    activation_checkpointing,
+    float8: str | None = None,
 ) -> Estimate:
     """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step)."""
     dims = layout.dims
@@ -99,6 +106,10 @@ def estimate_layout(
     # zero-bubble schedule keeps the whole stage gathered from forward to backward
     gathered_layers = layers if layout.pp_schedule in ZERO_BUBBLE and dims.pp > 1 else min(2, layers)
     gathered = (_root(c, dims) + gathered_layers * (matmuls + norms)) * (per[3] or per[0])
+    if (
+        shard > 1 and float8 == "tensorwise"
+    ):  # the blocks' matmul weights gathered in float8 (plan.float8_gathered)
+        gathered -= gathered_layers * matmuls * ((per[3] or per[0]) - 1)
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
     kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel)
@@ -160,10 +171,11 @@ def search(
     precision: str,
     gpu_memory_gb: float,
     checkpointing: tuple[bool, ...] = (False, True),
+    float8: str | None = None,
 ) -> tuple[Layout, bool, dict[bool, Estimate]] | tuple[None, None, dict]:
     """The first layout (and activation checkpointing, off before on) that fits, with its estimates for each
     `checkpointing`; else (None, None, {}) and nothing fits."""
-    shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision)
+    shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, float8=float8)
     for layout in candidates(
         c, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len, micro_batch=micro_batch
     ):

@@ -78,6 +78,64 @@ class PipelineOptions:
         return next(r for r in range(pp) if stage in self.stage_ids(r, pp))
 
 
+# activation_checkpointing: what each block keeps for backward. none: everything; full: only its input (the whole
+# block recomputed in backward); selective: `policy` op (per-op, torchtitan's: the matmuls' and attention's outputs
+# kept, the cheap ops between them recomputed) or every_n (every n-th block fully checkpointed, the others not).
+AC_MODES = ("none", "full", "selective")
+AC_POLICIES = ("op", "every_n")
+
+
+@dataclass(frozen=True)
+class ACOptions:
+    """Activation checkpointing (parallel/blocks.py `apply_ac`). `mode`: one of AC_MODES; under selective,
+    `policy` (one of AC_POLICIES) and, for every_n, `every_n` (>= 1: blocks n-1, 2n-1, ... are checkpointed)."""
+
+    mode: str = "none"
+    policy: str = "op"
+    every_n: int = 2
+
+    def __post_init__(self):
+        if self.mode not in AC_MODES:
+            raise ValueError(f"activation_checkpointing={self.mode!r}: use one of {', '.join(AC_MODES)}")
+        if self.policy not in AC_POLICIES:
+            raise ValueError(
+                f"activation_checkpointing_policy.mode={self.policy!r}: use one of {', '.join(AC_POLICIES)}"
+            )
+        if not isinstance(self.every_n, int) or self.every_n < 1:
+            raise ValueError(f"activation_checkpointing_policy.every_n={self.every_n!r}: use an integer >= 1")
+
+    @classmethod
+    def of(cls, value) -> ACOptions:
+        """From what a config or a checkpoint's hyperparameters hold: a bool (true: full, false: none), None
+        (none), a mode, or a mapping {mode, policy, every_n} (what parallama-train hands the module)."""
+        if isinstance(value, cls):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls("full" if value else "none")
+        if isinstance(value, str):
+            return cls(value)
+        return cls(**dict(value))
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (parallel/float8.py)
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    """float8 training of the blocks' linears (parallel/float8.py): `recipe` tensorwise or rowwise; `emulate`
+    where the device has no float8 matmul (CPU)."""
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+
+
 @dataclass(frozen=True)
 class ParallelizeOptions:
     """sequence_parallel: with dims.tp > 1, norms and the activations between blocks split on the sequence.
@@ -86,9 +144,13 @@ class ParallelizeOptions:
 
     dims: ParallelDims
     mesh: Any = None  # torch DeviceMesh over parallel.dims.DIMS; None where the strategy shards by itself
-    activation_checkpointing: bool = False
+    activation_checkpointing: ACOptions = ACOptions()  # a bool or a mode is read as ACOptions.of does
     compile: bool = False
     fsdp: FSDPOptions | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
     pipeline: PipelineOptions | None = None  # set when dims.pp > 1: the plan splits the model into stages
+    float8: Float8Options | None = None  # the blocks' linears in float8, converted first (before TP)
+
+    def __post_init__(self):
+        object.__setattr__(self, "activation_checkpointing", ACOptions.of(self.activation_checkpointing))

@@ -121,7 +121,7 @@ def activation_bytes(
     tokens: int,
     e: int,
     e_res: int,
-    checkpointing: bool,
+    checkpointing,
     *,
     tp: int = 1,
     sequence_parallel: bool = False,
@@ -135,6 +135,13 @@ def activation_bytes(
     `attention_activations`: rotated q and k, v, attention output; a Qwen3's q/k norm inputs too), MLP input h,
     gate, silu(gate), up and their product 4i. No s^2 term: fused attention saves only the
     log-sum-exp (ignored). With checkpointing only each block's input is kept, plus one block recomputing.
+
+    `checkpointing`: a bool (full / none), a mode, or `parallel.options.ACOptions`. Selective, per-op policy:
+    a block keeps its input (residual), the matmuls' and attention's outputs, i.e. q, k, v and the attention
+    output (`attention_activations`, split by tp), gate and up (2i / tp), o's and down's outputs (2h, whole):
+    `residual + 2 h e + (attention_activations + 2 i) e / tp` per layer (no norm outputs, no silu(gate) and
+    product: 1 residual + 2i / tp less than none), plus one block recomputing those (2 h e + 2 i e / tp).
+    Selective every_n: `L // n` blocks as full (their input), the others as none, plus one block recomputing.
     The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
 
     Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
@@ -142,12 +149,37 @@ def activation_bytes(
     the residual stream. The projections' inputs (and the head's) are gathered whole under either.
     `head=False`: the blocks only (a pipeline stage without the head).
     """
-    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    from parallama.parallel.options import ACOptions
+
+    ac = ACOptions.of(checkpointing)
+    h, i, v, n = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
     residual = h * e_res // (tp if sequence_parallel else 1)
     block = 2 * residual + 2 * h * e + (c.attention_activations() + 4 * i) * e // tp
-    layers = c.num_hidden_layers * residual + block if checkpointing else c.num_hidden_layers * block
+    if ac.mode == "none":
+        layers = n * block
+    elif ac.mode == "full":
+        layers = n * residual + block
+    elif ac.policy == "op":
+        kept = residual + 2 * h * e + (c.attention_activations() + 2 * i) * e // tp
+        layers = n * kept + 2 * h * e + 2 * i * e // tp
+    else:  # every_n
+        full = n // ac.every_n
+        layers = full * residual + (n - full) * block + (block if full else 0)
     logits = v // tp * (e + 4 + (4 if e != 4 else 0))
     return tokens * (layers + (residual + h * e + logits if head else 0))
+
+
+def float8_gathered(c, how: str, e: int, float8: str | None, blocks: int | None = None) -> int:
+    """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' matmul weights
+    are all-gathered in float8 (1 byte, not `e`); rowwise gathers them in the high precision (0 saved). The
+    saved activations are unchanged: torchao's Float8Linear keeps its input and weight for backward in the high
+    precision and casts them again. `blocks`: how many are gathered (default: `how`'s, all or 2)."""
+    if float8 != "tensorwise":
+        return 0
+    matmuls, _ = c.block_params()
+    if blocks is None:
+        blocks = c.num_hidden_layers if how == "all" else min(2, c.num_hidden_layers)
+    return blocks * matmuls * (e - 1)
 
 
 def _gathered_params(c, how: str) -> int:
@@ -165,11 +197,12 @@ def estimate(
     seq_len: int,
     micro_batch: int,
     precision: str,
-    activation_checkpointing: bool,
+    activation_checkpointing,
     strategies: dict[str, MemoryProfile] | None = None,
+    float8: str | None = None,
 ) -> dict[str, Estimate]:
     """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the
-    accounting; those with `layouts` are searched by parallel/layouts.py)."""
+    accounting; those with `layouts` are searched by parallel/layouts.py). `float8`: see `float8_gathered`."""
     n, psi = world_size, config.num_params()
     out = {}
     for name, s in (strategies or profiles()).items():
@@ -184,6 +217,8 @@ def estimate(
             gathered = psi * per[3]  # autocast's bf16 copies (0 in fp32 and for DeepSpeed)
         else:
             gathered = _gathered_params(config, s.gathered) * (per[3] or per[0])
+            if s.engine == "fsdp" and n > 1:
+                gathered -= float8_gathered(config, s.gathered, per[3] or per[0], float8)
         e = 4 if precision in FP32 else 2
         e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
         acts = activation_bytes(config, seq_len * micro_batch, e, e_res, activation_checkpointing)

@@ -268,3 +268,14 @@ class ValidationTokens(Callback):
         self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
     ) -> None:
         self.count += int((batch["labels"] != -100).sum())
+
+
+class Float8Scales(Callback):
+    """float8 under FSDP2's float8 all-gather (parallel/float8.py): after each optimizer step, the weights' scales
+    for the next all-gather, computed at once (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`); a no-op
+    for a model without such weights. parallama-train adds it when `float8` is set."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from parallama.parallel.float8 import precompute_scales
+
+        precompute_scales(pl_module.model)

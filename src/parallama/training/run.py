@@ -85,7 +85,7 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         compile=cfg.compile,
-        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing=activation_checkpointing(cfg),
         init_from=cfg.init_from,
         _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
@@ -102,6 +102,11 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     # other plugins (launcher=slurm's SLURMEnvironment) are kept.
     plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
     strategy = hydra.utils.instantiate(cfg.strategy)
+    if cfg.get("float8") is not None:  # the blocks' linears in float8 (parallel/float8.py), through the plan
+        from parallama.training.callbacks import Float8Scales
+
+        strategy.float8 = cfg.float8
+        callbacks = [*callbacks, Float8Scales()]
     processes = processes_per_node(cfg.trainer.devices, cfg.trainer.accelerator)
     if isinstance(strategy, Parallelism) and strategy.reruns_the_command and needs_launch(processes):
         start_ranks(processes, cfg.trainer.num_nodes)  # after the tokenizer exists: the ranks read it
@@ -252,3 +257,15 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))
+
+
+def activation_checkpointing(cfg: DictConfig) -> str | dict:
+    """What the module hands the strategy's plan (parallel/options.py `ACOptions.of`): the mode, and under
+    selective its policy (`activation_checkpointing_policy`), as plain values a checkpoint keeps weights-only."""
+    from parallama.parallel.options import ACOptions
+
+    mode = ACOptions.of(cfg.activation_checkpointing).mode
+    if mode != "selective":
+        return mode
+    policy = cfg.get("activation_checkpointing_policy") or {}
+    return {"mode": mode, "policy": policy.get("mode", "op"), "every_n": policy.get("every_n", 2)}

@@ -2,9 +2,11 @@
 the strategy asks (`parallel.ParallelizeOptions`) in a fixed order, each step an `apply_*` function with explicit
 arguments:
 
+0. float8 (`apply_float8`, parallel/float8.py): the blocks' linears become torchao Float8Linears;
 1. tensor parallel (`apply_tp`, on the mesh's `tp` dimension): weights become DTensors split across tp ranks,
    optionally with sequence parallel between the blocks;
-2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed;
+2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed
+   (full), or only its cheap ops / every n-th block (selective);
 3. compile (`apply_compile`): each block, TP's DTensor ops traced with it;
 4. FSDP2 (`apply_fsdp`) on the data-parallel mesh: `dp_shard` (FSDP), or (dp_replicate, dp_shard) (HSDP: shard
    within a group, replicate across groups); a TP weight becomes a 2-D DTensor (dp_shard, tp).
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 from parallama.models.llama.model import Llama
 from parallama.parallel.blocks import apply_ac, apply_compile, apply_fsdp, check_tp_plan_covers
+from parallama.parallel.float8 import apply_float8, float8_tp_style
 from parallama.parallel.options import ParallelizeOptions
 from parallama.parallel.stages import parallelize_pipeline
 
@@ -34,6 +37,13 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
     tensor-parallel plan of one block (default `tp_block_plan`; models/qwen3 adds its q/k norms)."""
     if options.pipeline is not None:
         return parallelize_pipeline(model, options, functools.partial(parallelize, block_plan=block_plan))
+    if options.float8 is not None:
+        apply_float8(
+            model,
+            options.float8.recipe,
+            emulate=options.float8.emulate,
+            fsdp_all_gather=options.fsdp is not None and options.dims.dp_shard * options.dims.cp > 1,
+        )
     if options.dims.tp > 1:
         apply_tp(
             model,
@@ -41,9 +51,10 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
             sequence_parallel=options.sequence_parallel,
             loss_parallel=options.loss_parallel,
             block_plan=block_plan or tp_block_plan,
+            float8=options.float8 is not None,
         )
-    if options.activation_checkpointing:
-        apply_ac(model)
+    if (ac := options.activation_checkpointing).enabled:
+        apply_ac(model, ac.mode, policy=ac.policy, every_n=ac.every_n)
     if options.compile:
         apply_compile(model)
     if options.fsdp is not None:
@@ -119,6 +130,7 @@ def apply_tp(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     block_plan: BlockPlan = tp_block_plan,
+    float8: bool = False,
 ) -> None:
     """Megatron-style tensor parallelism over `mesh` (1-D, the tp ranks), torchtitan's plan for Llama.
 
@@ -132,6 +144,9 @@ def apply_tp(
     split on it (activation memory / tp); attention and MLP gather it at their input (all-gather) and
     reduce-scatter at their output. Needs the sequence length to divide by tp (training and validation; not
     token-by-token decoding, see ModelParallel.inference_model).
+
+    `float8`: the blocks' linears are torchao Float8Linears (parallel/float8.py): their column- and row-wise
+    styles become torchao's float8 ones.
 
     `block_plan` gives each block's plan (a family's own: models/qwen3). Every parameter must then be a DTensor
     on `mesh` or one the plan keeps `REPLICATED`: one it does not cover is refused (`check_tp_plan_covers`).
@@ -160,6 +175,8 @@ def apply_tp(
         model.lm_head.weight = model.embed_tokens.weight
     for key, block in model.layers.items():
         plan = block_plan(sequence_parallel=sequence_parallel, between=between)
+        if float8:
+            plan = {name: float8_tp_style(style) for name, style in plan.items()}
         replicated |= {f"layers.{key}.{name}" for name, style in plan.items() if style is REPLICATED}
         parallelize_module(block, mesh, {k: v for k, v in plan.items() if v is not REPLICATED})
     check_tp_plan_covers(model, mesh, replicated, f"{block_plan.__module__}.{block_plan.__qualname__}")

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
 from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
+from parallama.parallel.float8 import plain_tensors
 from parallama.parallel.options import FSDPOptions, ParallelizeOptions
 from parallama.parallel.plan import MemoryProfile
 
@@ -104,6 +105,16 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     def parallelize_options(self, **kwargs) -> ParallelizeOptions:
         fsdp = FSDPOptions(self.reshard_after_forward, self.mixed_precision, self.cpu_offload)
         return replace(super().parallelize_options(**kwargs), mesh=self.mesh, fsdp=fsdp)
+
+    # float8 with FSDP2's float8 all-gather: checkpoints hold plain tensors (parallel/float8.py `plain_tensors`)
+
+    def lightning_module_state_dict(self) -> dict:
+        state = super().lightning_module_state_dict()
+        return plain_tensors(state) if self.float8 is not None else state
+
+    def optimizer_state(self, optimizer) -> dict:
+        state = super().optimizer_state(optimizer)
+        return plain_tensors(state) if self.float8 is not None else state
 
     def parallelize(self, model, plan, **kwargs):
         model = super().parallelize(model, plan, **kwargs)

@@ -82,7 +82,9 @@ def test_export_loads_in_transformers(tmp_path, tie):
     torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-5, rtol=0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "Héllo, wörld!\n  def f(x): return x"
-    assert hf_tok(text)["input_ids"] == tok.encode(text).ids
+    # as training saw every document: BOS first (found: the exported tokenizer added none)
+    assert hf_tok(text)["input_ids"] == [hf_tok.bos_token_id, *tok.encode(text).ids]
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
     assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("[BOT]", "[EOT]", "[PAD]")
 
 

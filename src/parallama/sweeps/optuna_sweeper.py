@@ -48,11 +48,13 @@ class OptunaPruningSweeper(Sweeper):
         pruner=None,
         params: DictConfig | None = None,
         enqueue_trials: list | None = None,
+        other_settings: bool = False,
     ) -> None:
         self.sampler, self.pruner, self.direction = sampler, pruner, direction
         self.study_name, self.storage, self.n_trials, self.n_jobs = study_name, storage, n_trials, n_jobs
         self.params = OmegaConf.to_container(params, resolve=True) if params else {}
         self.enqueue_trials = OmegaConf.to_container(enqueue_trials, resolve=True) if enqueue_trials else []
+        self.other_settings = other_settings  # continue a study whose trials ran under other fixed settings
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -88,6 +90,7 @@ class OptunaPruningSweeper(Sweeper):
             direction=self.direction,
             load_if_exists=True,
         )
+        self.check_settings(study, fixed)
         self.continue_study(study)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,28 @@ class OptunaPruningSweeper(Sweeper):
             returns.append(results)
         self.report(study, sweep_dir)
         return returns
+
+    def check_settings(self, study, fixed: list[str]) -> None:
+        """A study's trials are comparable only under the same fixed settings (the command line's overrides that
+        are not searched): a new study records them; continuing one under others is refused in one line (found:
+        the best trial was chosen across two budgets, `trainer.max_steps=10` and then `4`), unless
+        `hydra.sweeper.other_settings=true` says the mix is meant (the change is then logged)."""
+        settings = sorted(fixed)
+        recorded = study.user_attrs.get("settings")
+        if recorded is None or not study.get_trials(deepcopy=False):
+            study.set_user_attr("settings", settings)
+            return
+        if recorded == settings:
+            return
+        gone, new = sorted(set(recorded) - set(settings)), sorted(set(settings) - set(recorded))
+        change = f"its trials ran with {gone or 'nothing more'}, this command has {new or 'nothing more'}"
+        if not self.other_settings:
+            raise ConfigError(
+                f"study {self.study_name!r} in {self.storage}: {change}; run it with the same settings, start "
+                "another study (hydra.sweeper.study_name=...), or mix them with hydra.sweeper.other_settings=true"
+            )
+        log.warning(f"study {self.study_name!r} continues under other settings: {change}")
+        study.set_user_attr("settings", settings)
 
     def continue_study(self, study) -> None:
         """Trials left running by an interrupted sweep: one whose fit had ended is told its value (or pruned);

@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
 from torch import Tensor
 
 from parallama.checkpoint.read import load_state_into
@@ -75,12 +76,19 @@ def save_hf_folder(
         specials["pad_token"] = tok.id_to_token(pad)
         if tok.token_to_id(UNK) is not None:
             specials["unk_token"] = UNK
-        (out / "tokenizer.json").write_text(tokenizer_json)
+        # Every training document starts with BOS: the exported tokenizer adds it too, so that `tokenizer(text)`
+        # in transformers gives what the model was trained on (parallama encodes with add_special_tokens=False)
+        bos = tok.id_to_token(bot)
+        tok.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, bot)]
+        )
+        (out / "tokenizer.json").write_text(tok.to_str())
         _write_json(out / "special_tokens_map.json", specials)
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": config.max_position_embeddings,
             "clean_up_tokenization_spaces": False,
+            "add_bos_token": True,
             **specials,
         }
         _write_json(out / "tokenizer_config.json", tokenizer_config)

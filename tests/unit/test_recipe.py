@@ -68,6 +68,10 @@ def test_schedules(schedule, expected):
             ["strategy=deepspeed", "strategy.offload_optimizer=true", "optimizer._target_=torch.optim.NAdam"],
             r"^strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam, not optimizer._target_=",
         ),
+        (
+            ["strategy=deepspeed", "optimizer=muon"],
+            r"^optimizer=muon cannot run under strategy=deepspeed \(ZeRO partitions",
+        ),
         (["scheduler=wsd", "scheduler.decay_fraction=2"], r"^scheduler.decay_fraction=2 is not valid; use a"),
         (
             ["scheduler=constant", "+scheduler.min_lr_ratio=0.1"],
@@ -101,6 +105,8 @@ def test_a_bad_part_is_one_line_before_work(overrides, message):
         ],  # fused=null is parallama's choice: none where a class has none
         ["scheduler=wsd"],
         ["scheduler=constant"],
+        ["optimizer=muon"],
+        ["optimizer=muon", "strategy=ddp_sharded"],
     ],
 )
 def test_keys_removed_or_another_class_pass_the_checks(overrides):

@@ -64,9 +64,7 @@ class TrainPosition:
         return batches * self.global_batch + (self._offset[1] if epoch == self._offset[0] else 0)
 
     def consumed(self, trainer) -> int:
-        return self.position(
-            trainer.current_epoch, compat.batch_progress(trainer).current.processed
-        )
+        return self.position(trainer.current_epoch, compat.batch_progress(trainer).current.processed)
 
     def restore(self, state: dict, trainer, source: str) -> None:
         """Continue at the checkpoint's global sample: the sampler starts there, and Lightning's batch count

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 MUON = "muon"  # the group key saying whose the group is
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -48,10 +49,13 @@ def mark_hidden_matrices(groups: list[dict], model: torch.nn.Module) -> list[dic
     return out
 
 
-def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
-    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py `_zeropower_via_newtonschulz`), op for op."""
+def newton_schulz(
+    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype=torch.bfloat16
+) -> Tensor:
+    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py `_zeropower_via_newtonschulz`), op for op, in
+    `dtype` (torch's: bf16)."""
     a, b, c = coefficients
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -63,14 +67,14 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
     return x.T if tall else x
 
 
-def orthogonalized(update: Tensor, param: Tensor, coefficients, steps: int, eps: float) -> Tensor:
+def orthogonalized(update: Tensor, param: Tensor, coefficients, steps: int, eps: float, dtype) -> Tensor:
     """The orthogonalized update in `param`'s layout: a DTensor's whole matrix, gathered, orthogonalized, then
     this rank's shard of it (placements as `param`'s: no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(update, DTensor):
-        return newton_schulz(update, coefficients, steps, eps)
-    whole = newton_schulz(update.full_tensor(), coefficients, steps, eps)
+        return newton_schulz(update, coefficients, steps, eps, dtype)
+    whole = newton_schulz(update.full_tensor(), coefficients, steps, eps, dtype)
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
@@ -89,7 +93,7 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon on the groups marked `muon: true`, AdamW on the others (`mark_hidden_matrices`), in one optimizer.
 
     lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
-    "match_rms_adamw" or null). adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A
+    "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32. adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A
     group's own keys (the norms' weight_decay=0.0) win over these."""
 
     takes_hidden_matrices = True  # CausalLM.configure_optimizers marks its groups with mark_hidden_matrices
@@ -103,6 +107,7 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int = 5,
         weight_decay: float = 0.1,
         adjust_lr: str | None = "match_rms_adamw",
+        ns_dtype: str = "bfloat16",
         adamw_lr: float | None = None,
         adamw_betas=(0.9, 0.99),
         adamw_eps: float = 1e-8,
@@ -114,7 +119,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 "MuonAdamW takes parameter groups marked muon=true/false "
                 "(parallama.training.muon.mark_hidden_matrices)"
             )
-        muon = [g for g in groups if g[MUON]]
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"optimizer.ns_dtype={ns_dtype} is not one of {', '.join(NS_DTYPES)}")
+        muon = [{"ns_dtype": ns_dtype, **g} for g in groups if g[MUON]]
         adamw = [g for g in groups if not g[MUON]]
         # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts)
         self._muon = (
@@ -150,6 +157,7 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_steps=ns_steps,
             weight_decay=weight_decay,
             adjust_lr=adjust_lr,
+            ns_dtype=ns_dtype,
             adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps,
@@ -186,6 +194,9 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = orthogonalized(update, param, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            dtype = NS_DTYPES[group["ns_dtype"]]
+            update = orthogonalized(
+                update, param, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
+            )
             param.mul_(1 - lr * weight_decay)
             param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))

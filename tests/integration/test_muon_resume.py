@@ -1,0 +1,58 @@
+"""optimizer=muon resumes exactly: a 2-step run resumed to 4 equals a 4-step run (Lightning's native path, one
+process; Muon's and AdamW's LRs differ, a warmup spans the resume), and an fsdp checkpoint (2 ranks, a DCP folder
+of sharded Muon momenta and AdamW moments) continues as one process (the universal path: optimizer state keyed by
+parameter name) as one process trains all 4 steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import train, weights
+
+RECIPE = [
+    "optimizer=muon",
+    "optimizer.lr=3e-4",
+    "optimizer.adamw_lr=1e-3",
+    "scheduler=constant",
+    "scheduler.warmup_steps=1",
+    "trainer.precision=32-true",
+    "trainer.limit_val_batches=0",
+    "validate_before_training=false",
+    "sample.max_new_tokens=0",
+    "seed=7",
+]
+
+
+def run(tmp_path, cache, name: str, steps: int, *args: str):
+    proc = train(
+        *RECIPE, f"trainer.max_steps={steps}", *args, cwd=tmp_path, cache=cache, run_dir=tmp_path / name
+    )
+    return tmp_path / name / "checkpoints" / "last.ckpt", proc.stdout + proc.stderr
+
+
+def assert_same_weights(got: dict, want: dict, tolerance: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=tolerance, msg=name)
+    print(f"max weight difference {max((got[k] - want[k]).abs().max().item() for k in want):.3g}")
+
+
+def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path, data_cache):
+    straight, _ = run(tmp_path, data_cache, "straight", 4)
+    half, _ = run(tmp_path, data_cache, "half", 2)
+    resumed, _ = run(tmp_path, data_cache, "resumed", 4, f"ckpt_path={half}")
+    assert_same_weights(weights(resumed), weights(straight), 1e-6)
+    assert max((weights(half)[k] - weights(straight)[k]).abs().max() for k in weights(half)) > 1e-4
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp_muon_checkpoint_continues_as_one_process(tmp_path, data_cache):
+    """Newton-Schulz in fp32: in bf16 the layouts' gradient reductions differ visibly (tests/distributed/
+    test_recipe.py)."""
+    fp32 = "optimizer.ns_dtype=float32"
+    straight, _ = run(tmp_path, data_cache, "straight", 4, fp32, "data.batch_size=8")
+    sharded = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4"]
+    half, _ = run(tmp_path, data_cache, "fsdp", 2, fp32, *sharded)
+    resumed, output = run(tmp_path, data_cache, "resumed", 4, fp32, "data.batch_size=8", f"ckpt_path={half}")
+    assert "resuming a fsdp checkpoint (world size 2) under auto at world size 1" in output
+    assert_same_weights(weights(resumed), weights(straight), 1e-5)

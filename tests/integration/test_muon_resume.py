@@ -1,7 +1,8 @@
 """optimizer=muon resumes exactly: a 2-step run resumed to 4 equals a 4-step run (Lightning's native path, one
 process; Muon's and AdamW's LRs differ, a warmup spans the resume), and an fsdp checkpoint (2 ranks, a DCP folder
 of sharded Muon momenta and AdamW moments) continues as one process (the universal path: optimizer state keyed by
-parameter name) as one process trains all 4 steps."""
+parameter name) as one process trains all 4 steps. A resume with another `optimizer.adamw_lr` takes it for the
+AdamW side only."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path, data_cache):
     resumed, _ = run(tmp_path, data_cache, "resumed", 4, f"ckpt_path={half}")
     assert_same_weights(weights(resumed), weights(straight), 1e-6)
     assert max((weights(half)[k] - weights(straight)[k]).abs().max() for k in weights(half)) > 1e-4
+
+    # a resume takes this run's LRs, each side its own (CausalLM._apply_configured_lr)
+    changed, _ = run(tmp_path, data_cache, "changed", 3, f"ckpt_path={half}", "optimizer.adamw_lr=2e-3")
+    schedulers = torch.load(changed, map_location="cpu", weights_only=True)["lr_schedulers"]
+    assert schedulers[0]["base_lrs"] == [3e-4, 2e-3, 2e-3]  # Muon's matrices; AdamW's matrices and norms
 
 
 @pytest.mark.multiprocess

@@ -69,13 +69,35 @@ def newton_schulz(
 
 def orthogonalized(update: Tensor, param: Tensor, coefficients, steps: int, eps: float, dtype) -> Tensor:
     """The orthogonalized update in `param`'s layout: a DTensor's whole matrix, gathered, orthogonalized, then
-    this rank's shard of it (placements as `param`'s: no communication)."""
+    this rank's shard of it (placements as `param`'s: no communication). Under FSDP's cpu_offload the shards
+    live on the host and the mesh's collectives on its device: the gather and the iteration run there (a path
+    not run by the CPU-only tests)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(update, DTensor):
         return newton_schulz(update, coefficients, steps, eps, dtype)
+    mesh = param.device_mesh
+    offloaded = update.device.type != mesh.device_type
+    if offloaded:
+        update = _moved(update, mesh.device_type)
     whole = newton_schulz(update.full_tensor(), coefficients, steps, eps, dtype)
-    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+    shard = distribute_tensor(whole, mesh, param.placements, src_data_rank=None)
+    return _moved(shard, param.device) if offloaded else shard
+
+
+def _moved(tensor, device):
+    """A DTensor whose local shard is on `device`, its layout unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local().to(device)
+    return DTensor.from_local(
+        local,
+        tensor.device_mesh,
+        tensor.placements,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+        run_check=False,
+    )
 
 
 def adjusted_lr(lr: float, adjust: str | None, shape) -> float:

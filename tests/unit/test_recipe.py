@@ -72,6 +72,18 @@ def test_schedules(schedule, expected):
             ["strategy=deepspeed", "optimizer=muon"],
             r"^optimizer=muon cannot run under strategy=deepspeed \(ZeRO partitions",
         ),
+        (
+            ["optimizer=muon", "optimizer.ns_dtype=fp16"],
+            r"^optimizer.ns_dtype=fp16 is not valid; use bfloat16 or",
+        ),
+        (
+            ["optimizer=muon", "optimizer.adjust_lr=rms"],
+            r"^optimizer.adjust_lr=rms is not valid; use match_rms",
+        ),
+        (
+            ["optimizer=muon", "optimizer.adamw_betas=[0.9,1.5]"],
+            r"^optimizer.adamw_betas=\[0.9, 1.5\] is not valid; use two numbers in \[0, 1\)",
+        ),
         (["scheduler=wsd", "scheduler.decay_fraction=2"], r"^scheduler.decay_fraction=2 is not valid; use a"),
         (
             ["scheduler=constant", "+scheduler.min_lr_ratio=0.1"],

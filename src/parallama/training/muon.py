@@ -26,8 +26,15 @@ import math
 import torch
 from torch import Tensor
 
+from parallama.errors import ConfigError
+
 MUON = "muon"  # the group key saying whose the group is
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+ADJUST_LR = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -141,8 +148,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 "MuonAdamW takes parameter groups marked muon=true/false "
                 "(parallama.training.muon.mark_hidden_matrices)"
             )
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"optimizer.ns_dtype={ns_dtype} is not one of {', '.join(NS_DTYPES)}")
+        self.check_keywords(
+            dict(
+                lr=lr,
+                momentum=momentum,
+                ns_steps=ns_steps,
+                ns_dtype=ns_dtype,
+                adjust_lr=adjust_lr,
+                adamw_lr=adamw_lr,
+                adamw_betas=adamw_betas,
+            )
+        )
         muon = [{"ns_dtype": ns_dtype, **g} for g in groups if g[MUON]]
         adamw = [g for g in groups if not g[MUON]]
         # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts)
@@ -185,6 +201,27 @@ class MuonAdamW(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
         )
+
+    @staticmethod
+    def check_keywords(keywords: dict) -> None:
+        """The configured keys (training/optim.py `check_optimizer`, before any work): one line naming a bad one."""
+        rules = {
+            "lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+            "adamw_lr": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+            "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+            "ns_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 100, "1 to 99"),
+            "ns_dtype": (lambda v: v in NS_DTYPES, "bfloat16 or float32"),
+            "adjust_lr": (lambda v: v in (None, *ADJUST_LR), "match_rms_adamw, original or null"),
+            "adamw_betas": (
+                lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+                "two numbers in [0, 1), e.g. [0.9, 0.95]",
+            ),
+        }
+        for key, (valid, text) in rules.items():
+            if key in keywords and not valid(keywords[key]):
+                value = keywords[key]
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"optimizer.{key}={shown} is not valid; use {text}")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -2,13 +2,15 @@
 process; Muon's and AdamW's LRs differ, a warmup spans the resume), and an fsdp checkpoint (2 ranks, a DCP folder
 of sharded Muon momenta and AdamW moments) continues as one process (the universal path: optimizer state keyed by
 parameter name) as one process trains all 4 steps. A resume with another `optimizer.adamw_lr` takes it for the
-AdamW side only."""
+AdamW side only. model_parallel tp=2 resumes its own DCP checkpoint (sharded momenta) bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import train, weights
+
+from parallama.checkpoint import universal
 
 RECIPE = [
     "optimizer=muon",
@@ -31,8 +33,13 @@ def run(tmp_path, cache, name: str, steps: int, *args: str):
     return tmp_path / name / "checkpoints" / "last.ckpt", proc.stdout + proc.stderr
 
 
+def weights_of(checkpoint) -> dict:
+    """A Lightning file's or a DCP folder's weights."""
+    return {k: v.float() for k, v in universal.read(checkpoint).model.items()}
+
+
 def assert_same_weights(got: dict, want: dict, tolerance: float) -> None:
-    assert got.keys() == want.keys()
+    assert want and got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=tolerance, msg=name)
     print(f"max weight difference {max((got[k] - want[k]).abs().max().item() for k in want):.3g}")
@@ -62,3 +69,15 @@ def test_an_fsdp_muon_checkpoint_continues_as_one_process(tmp_path, data_cache):
     resumed, output = run(tmp_path, data_cache, "resumed", 4, fp32, "data.batch_size=8", f"ckpt_path={half}")
     assert "resuming a fsdp checkpoint (world size 2) under auto at world size 1" in output
     assert_same_weights(weights(resumed), weights(straight), 1e-5)
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_muon_run_resumes_natively(tmp_path, data_cache):
+    """model_parallel tp=2 writes DCP (Muon's momenta DTensors sharded on tp) and loads it back through torch's
+    distributed optimizer state dict, whose set-up steps the optimizer once at lr 0 (a collective per matrix)."""
+    layout = ["strategy=model_parallel", "strategy.tp=2", "trainer.devices=2", "data.batch_size=8"]
+    straight, _ = run(tmp_path, data_cache, "straight", 4, *layout)
+    half, _ = run(tmp_path, data_cache, "half", 2, *layout)
+    resumed, output = run(tmp_path, data_cache, "resumed", 4, *layout, f"ckpt_path={half}")
+    assert half.is_dir() and "resuming a" not in output  # DCP, loaded natively (not the universal path)
+    assert_same_weights(weights_of(resumed), weights_of(straight), 1e-6)

@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
+from parallama.errors import ConfigError
 from parallama.training.module import CausalLM
 from parallama.training.muon import MuonAdamW, mark_hidden_matrices
 from parallama.training.optim import optimizer_factory
@@ -136,3 +137,11 @@ def test_the_state_dict_round_trips_through_a_file(tmp_path):
 def test_groups_must_say_whose_they_are():
     with pytest.raises(ValueError, match="marked muon=true/false"):
         MuonAdamW([torch.nn.Parameter(torch.ones(2, 2))])
+
+
+def test_the_state_of_another_optimizer_is_refused_in_one_line():
+    lm = module("tiny")
+    adamw = torch.optim.AdamW(lm.param_groups())
+    muon = optimizer_factory(MUON)(mark_hidden_matrices(lm.param_groups(), lm.model))
+    with pytest.raises(ConfigError, match="^the checkpoint's optimizer state is not optimizer=muon's"):
+        muon.load_state_dict(adamw.state_dict())

@@ -223,6 +223,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 shown = list(value) if isinstance(value, tuple) else value
                 raise ConfigError(f"optimizer.{key}={shown} is not valid; use {text}")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, refusing in one line the state of another optimizer (a resume that switched to Muon)."""
+        groups = state_dict["param_groups"]
+        mine = [g[MUON] for g in self.param_groups]
+        if [g.get(MUON) for g in groups] != mine:
+            raise ConfigError(
+                "the checkpoint's optimizer state is not optimizer=muon's with these parameter groups; resume it "
+                "with the optimizer it was trained with"
+            )
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

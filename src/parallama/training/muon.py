@@ -122,8 +122,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon on the groups marked `muon: true`, AdamW on the others (`mark_hidden_matrices`), in one optimizer.
 
     lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
-    "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32. adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A
-    group's own keys (the norms' weight_decay=0.0) win over these."""
+    "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32.
+    adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A group's own keys (the norms'
+    weight_decay=0.0) win over these."""
 
     takes_hidden_matrices = True  # CausalLM.configure_optimizers marks its groups with mark_hidden_matrices
 
@@ -161,8 +162,9 @@ class MuonAdamW(torch.optim.Optimizer):
         )
         muon = [{"ns_dtype": ns_dtype, **g} for g in groups if g[MUON]]
         adamw = [g for g in groups if not g[MUON]]
-        # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts)
-        self._muon = (
+        # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts); the
+        # Muon step is this class's (a sharded matrix gathered), the AdamW step torch's
+        if muon:
             torch.optim.Muon(
                 muon,
                 lr=lr,
@@ -172,9 +174,6 @@ class MuonAdamW(torch.optim.Optimizer):
                 ns_steps=ns_steps,
                 adjust_lr_fn=adjust_lr,
             )
-            if muon
-            else None
-        )
         self._adamw = (
             torch.optim.AdamW(
                 adamw,

@@ -2,7 +2,8 @@
 process; Muon's and AdamW's LRs differ, a warmup spans the resume), and an fsdp checkpoint (2 ranks, a DCP folder
 of sharded Muon momenta and AdamW moments) continues as one process (the universal path: optimizer state keyed by
 parameter name) as one process trains all 4 steps. A resume with another `optimizer.adamw_lr` takes it for the
-AdamW side only. model_parallel tp=2 resumes its own DCP checkpoint (sharded momenta) bit for bit."""
+AdamW side only. model_parallel tp=2 resumes its own DCP checkpoint (sharded momenta), ddp_sharded its consolidated file, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ def test_a_tensor_parallel_muon_run_resumes_natively(tmp_path, data_cache):
     resumed, output = run(tmp_path, data_cache, "resumed", 4, *layout, f"ckpt_path={half}")
     assert half.is_dir() and "resuming a" not in output  # DCP, loaded natively (not the universal path)
     assert_same_weights(weights_of(resumed), weights_of(straight), 1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_ddp_sharded_muon_run_resumes_natively(tmp_path, data_cache):
+    """ZeroRedundancyOptimizer (ddp_sharded) builds one MuonAdamW per rank over its own whole parameters and
+    consolidates their states into the checkpoint's one."""
+    layout = ["strategy=ddp_sharded", "trainer.devices=2", "data.batch_size=4"]
+    straight, _ = run(tmp_path, data_cache, "straight", 4, *layout)
+    half, _ = run(tmp_path, data_cache, "half", 2, *layout)
+    resumed, output = run(tmp_path, data_cache, "resumed", 4, *layout, f"ckpt_path={half}")
+    assert "resuming a" not in output
+    assert_same_weights(weights(resumed), weights(straight), 1e-6)

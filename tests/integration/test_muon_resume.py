@@ -1,7 +1,7 @@
 """optimizer=muon resumes exactly: a 2-step run resumed to 4 equals a 4-step run (Lightning's native path, one
 process; Muon's and AdamW's LRs differ, a warmup spans the resume), and an fsdp checkpoint (2 ranks, a DCP folder
 of sharded Muon momenta and AdamW moments) continues as one process (the universal path: optimizer state keyed by
-parameter name) as one process trains all 4 steps. A resume with another `optimizer.adamw_lr` takes it for the
+parameter name) as one process trains all 4 steps, and one process's checkpoint continues under fsdp. A resume with another `optimizer.adamw_lr` takes it for the
 AdamW side only. model_parallel tp=2 resumes its own DCP checkpoint (sharded momenta), ddp_sharded its consolidated file, bit for
 bit."""
 
@@ -70,6 +70,11 @@ def test_an_fsdp_muon_checkpoint_continues_as_one_process(tmp_path, data_cache):
     resumed, output = run(tmp_path, data_cache, "resumed", 4, fp32, "data.batch_size=8", f"ckpt_path={half}")
     assert "resuming a fsdp checkpoint (world size 2) under auto at world size 1" in output
     assert_same_weights(weights(resumed), weights(straight), 1e-5)
+    # and the other way: one process's file continues sharded (torch's full optimizer state dict into FSDP2)
+    half, _ = run(tmp_path, data_cache, "auto", 2, fp32, "data.batch_size=8")
+    resumed, output = run(tmp_path, data_cache, "resharded", 4, fp32, *sharded, f"ckpt_path={half}")
+    assert "resuming a auto checkpoint (world size 1) under fsdp at world size 2" in output
+    assert_same_weights(weights_of(resumed), weights(straight), 1e-5)
 
 
 @pytest.mark.multiprocess

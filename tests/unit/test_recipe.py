@@ -68,6 +68,22 @@ def test_schedules(schedule, expected):
             ["strategy=deepspeed", "strategy.offload_optimizer=true", "optimizer._target_=torch.optim.NAdam"],
             r"^strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam, not optimizer._target_=",
         ),
+        (
+            ["strategy=deepspeed", "optimizer=muon"],
+            r"^optimizer=muon cannot run under strategy=deepspeed \(ZeRO partitions",
+        ),
+        (
+            ["optimizer=muon", "optimizer.ns_dtype=fp16"],
+            r"^optimizer.ns_dtype=fp16 is not valid; use bfloat16 or",
+        ),
+        (
+            ["optimizer=muon", "optimizer.adjust_lr=rms"],
+            r"^optimizer.adjust_lr=rms is not valid; use match_rms",
+        ),
+        (
+            ["optimizer=muon", "optimizer.adamw_betas=[0.9,1.5]"],
+            r"^optimizer.adamw_betas=\[0.9, 1.5\] is not valid; use two numbers in \[0, 1\)",
+        ),
         (["scheduler=wsd", "scheduler.decay_fraction=2"], r"^scheduler.decay_fraction=2 is not valid; use a"),
         (
             ["scheduler=constant", "+scheduler.min_lr_ratio=0.1"],
@@ -101,6 +117,8 @@ def test_a_bad_part_is_one_line_before_work(overrides, message):
         ],  # fused=null is parallama's choice: none where a class has none
         ["scheduler=wsd"],
         ["scheduler=constant"],
+        ["optimizer=muon"],
+        ["optimizer=muon", "strategy=ddp_sharded"],
     ],
 )
 def test_keys_removed_or_another_class_pass_the_checks(overrides):

@@ -310,6 +310,12 @@ def _check_recipe(cfg: DictConfig) -> None:
     strategy = cfg.strategy
     if strategy.get("offload_optimizer") and (message := offload_refusal(factory.func)):
         raise ConfigError(message)
+    deepspeed = str(strategy.get("_target_")).startswith("parallama.parallel.strategies.deepspeed.")
+    if getattr(factory.func, "takes_hidden_matrices", False) and deepspeed:
+        raise ConfigError(  # DeepSpeed's ZeRO flattens and partitions the matrices Muon orthogonalizes whole
+            "optimizer=muon cannot run under strategy=deepspeed (ZeRO partitions the matrices Muon needs whole); "
+            "use strategy=fsdp, ddp, ddp_sharded or model_parallel, or optimizer=adamw"
+        )
     schedule = instantiate_part(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler")
     warmup = getattr(schedule, "warmup_steps", "auto")
     max_steps = cfg.trainer.get("max_steps", -1)

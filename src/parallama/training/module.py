@@ -20,6 +20,7 @@ from parallama.models.contract import check_model
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.runtime import compat
+from parallama.training.muon import mark_hidden_matrices
 from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
 
 log = logging.getLogger("parallama")
@@ -207,18 +208,21 @@ class CausalLM(L.LightningModule):
         self._apply_configured_lr()
 
     def _apply_configured_lr(self) -> None:
-        """A resumed scheduler brings back the checkpoint's peak LR; `optimizer.lr` is what this run asks for."""
-        lr = self.configured_lr
+        """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks
+        for (each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's)."""
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            if all(base == lr for base in scheduler.base_lrs):
+            lrs = getattr(self, "configured_lrs", None)
+            if lrs is None or len(lrs) != len(scheduler.base_lrs):
+                lrs = [self.configured_lr] * len(scheduler.base_lrs)
+            if list(scheduler.base_lrs) == lrs:
                 continue
             if self.global_rank == 0:
                 log.info(
-                    f"resuming with optimizer.lr={lr:g} (the checkpoint's run had {scheduler.base_lrs[0]:g})"
+                    f"resuming with optimizer.lr={lrs[0]:g} (the checkpoint's run had {scheduler.base_lrs[0]:g})"
                 )
-            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+            scheduler.base_lrs = list(lrs)
+            for group, lr, factor in zip(scheduler.optimizer.param_groups, lrs, scheduler.lr_lambdas):
                 group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -250,7 +254,11 @@ class CausalLM(L.LightningModule):
             clipping=bool(self.trainer.gradient_clip_val),
         )
         self.configured_lr = peak_lr(factory)
-        optimizer = strategy.build_optimizer(factory, self.param_groups())
+        groups = self.param_groups()
+        if getattr(factory.func, "takes_hidden_matrices", False):  # Muon's (training/muon.py)
+            groups = mark_hidden_matrices(groups, self.model)
+        optimizer = strategy.build_optimizer(factory, groups)
+        self.configured_lrs = [group["lr"] for group in optimizer.param_groups]
 
         schedule = instantiate_part(self.hparams.scheduler, "scheduler")
         # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or

@@ -1,0 +1,271 @@
+"""Muon (Jordan et al., 2024) for the blocks' hidden matrices, AdamW for the rest, as ONE optimizer
+(`optimizer=muon`, conf/optimizer/muon.yaml): what Lightning, the LR schedule and checkpoints hold.
+
+Which parameters are Muon's comes from the model contract (models/contract.py), not from a family's names: the
+2-D parameters inside `model.layers` (the blocks' projections); the input and output ends (embeddings, the head)
+and every vector (norm weights) are AdamW's, as Moonlight, modded-nanogpt and torchtitan group them.
+`mark_hidden_matrices` splits the module's parameter groups (`CausalLM.param_groups`) by that rule, each group
+keeping its own keys (the norms' weight_decay=0.0 stays with AdamW) and saying `muon: true` or `false`.
+
+The Muon update is torch's (`torch.optim.Muon`: momentum, Nesterov, the Newton-Schulz orthogonalization in bf16,
+`adjust_lr_fn`), step for step, except that a sharded parameter (a DTensor under fsdp or model_parallel, on any
+mesh) is orthogonalized whole: the momentum-updated update is gathered (`full_tensor`), orthogonalized on every
+rank alike, and each rank applies its own shard of it, as torchtitan's and Moonlight's distributed Muon do (every
+rank computes every matrix's iteration: simple, and redundant). Plain tensors (auto, ddp, a pipeline's stages,
+ddp_sharded's whole parameters) are whole already. The AdamW side is torch's AdamW, stepped over the same state.
+
+The state is one torch optimizer state: `state_dict`/`load_state_dict`/`zero_grad` are `torch.optim.Optimizer`'s,
+so Lightning checkpoints, torch's distributed state dicts (fsdp, model_parallel) and the universal resume
+(optimizer state keyed by parameter name) take it as they take AdamW's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from parallama.errors import ConfigError
+
+MUON = "muon"  # the group key saying whose the group is
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+ADJUST_LR = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The matrices inside the model contract's blocks (`model.layers`): Muon's parameters."""
+    return [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
+
+
+def mark_hidden_matrices(groups: list[dict], model: torch.nn.Module) -> list[dict]:
+    """`groups` with each split in two: its hidden matrices (`muon: true`) and the rest (`muon: false`), both
+    with the group's other keys; empty halves are dropped."""
+    hidden = {id(p) for p in hidden_matrices(model)}
+    out = []
+    for group in groups:
+        params = list(group["params"])
+        for muon in (True, False):
+            part = [p for p in params if (id(p) in hidden) == muon]
+            if part:
+                out.append({**group, "params": part, MUON: muon})
+    return out
+
+
+def newton_schulz(
+    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype=torch.bfloat16
+) -> Tensor:
+    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py `_zeropower_via_newtonschulz`), op for op, in
+    `dtype` (torch's: bf16)."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def orthogonalized(update: Tensor, param: Tensor, coefficients, steps: int, eps: float, dtype) -> Tensor:
+    """The orthogonalized update in `param`'s layout: a DTensor's whole matrix, gathered, orthogonalized, then
+    this rank's shard of it (placements as `param`'s: no communication). Under FSDP's cpu_offload the shards
+    live on the host and the mesh's collectives on its device: the gather and the iteration run there (a path
+    not run by the CPU-only tests)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, coefficients, steps, eps, dtype)
+    mesh = param.device_mesh
+    offloaded = update.device.type != mesh.device_type
+    if offloaded:
+        update = _moved(update, mesh.device_type)
+    whole = newton_schulz(update.full_tensor(), coefficients, steps, eps, dtype)
+    shard = distribute_tensor(whole, mesh, param.placements, src_data_rank=None)
+    return _moved(shard, param.device) if offloaded else shard
+
+
+def _moved(tensor, device):
+    """A DTensor whose local shard is on `device`, its layout unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local().to(device)
+    return DTensor.from_local(
+        local,
+        tensor.device_mesh,
+        tensor.placements,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+        run_check=False,
+    )
+
+
+def adjusted_lr(lr: float, adjust: str | None, shape) -> float:
+    """torch.optim.Muon's `adjust_lr_fn` on the parameter's whole shape: "original" (the default) sqrt(max(1,
+    A/B)), "match_rms_adamw" 0.2 sqrt(max(A, B)) (Moonlight: the update's RMS of AdamW's, so one lr serves both)."""
+    rows, cols = shape[:2]
+    if adjust is None or adjust == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups marked `muon: true`, AdamW on the others (`mark_hidden_matrices`), in one optimizer.
+
+    lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
+    "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32.
+    adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A group's own keys (the norms'
+    weight_decay=0.0) win over these."""
+
+    takes_hidden_matrices = True  # CausalLM.configure_optimizers marks its groups with mark_hidden_matrices
+
+    def __init__(
+        self,
+        params,
+        lr: float = 3e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.1,
+        adjust_lr: str | None = "match_rms_adamw",
+        ns_dtype: str = "bfloat16",
+        adamw_lr: float | None = None,
+        adamw_betas=(0.9, 0.99),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.1,
+    ) -> None:
+        groups = list(params)
+        if not all(isinstance(g, dict) and MUON in g for g in groups):
+            raise ValueError(
+                "MuonAdamW takes parameter groups marked muon=true/false "
+                "(parallama.training.muon.mark_hidden_matrices)"
+            )
+        self.check_keywords(
+            dict(
+                lr=lr,
+                momentum=momentum,
+                ns_steps=ns_steps,
+                ns_dtype=ns_dtype,
+                adjust_lr=adjust_lr,
+                adamw_lr=adamw_lr,
+                adamw_betas=adamw_betas,
+            )
+        )
+        muon = [{"ns_dtype": ns_dtype, **g} for g in groups if g[MUON]]
+        adamw = [g for g in groups if not g[MUON]]
+        # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts); the
+        # Muon step is this class's (a sharded matrix gathered), the AdamW step torch's
+        if muon:
+            torch.optim.Muon(
+                muon,
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr,
+            )
+        self._adamw = (
+            torch.optim.AdamW(
+                adamw,
+                lr=lr if adamw_lr is None else adamw_lr,
+                betas=tuple(adamw_betas),
+                eps=adamw_eps,
+                weight_decay=adamw_weight_decay,
+            )
+            if adamw
+            else None
+        )
+        super().__init__(muon + adamw, {})
+        # what ZeroRedundancyOptimizer (ddp_sharded) passes when it builds one per rank
+        self.defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            adjust_lr=adjust_lr,
+            ns_dtype=ns_dtype,
+            adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+
+    @staticmethod
+    def check_keywords(keywords: dict) -> None:
+        """The configured keys (training/optim.py `check_optimizer`, before any work): one line naming a bad one."""
+        rules = {
+            "lr": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+            "adamw_lr": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+            "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+            "ns_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 100, "1 to 99"),
+            "ns_dtype": (lambda v: v in NS_DTYPES, "bfloat16 or float32"),
+            "adjust_lr": (lambda v: v in (None, *ADJUST_LR), "match_rms_adamw, original or null"),
+            "adamw_betas": (
+                lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+                "two numbers in [0, 1), e.g. [0.9, 0.95]",
+            ),
+        }
+        for key, (valid, text) in rules.items():
+            if key in keywords and not valid(keywords[key]):
+                value = keywords[key]
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"optimizer.{key}={shown} is not valid; use {text}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, refusing in one line the state of another optimizer (a resume that switched to Muon)."""
+        groups = state_dict["param_groups"]
+        mine = [g[MUON] for g in self.param_groups]
+        if [g.get(MUON) for g in groups] != mine:
+            raise ConfigError(
+                "the checkpoint's optimizer state is not optimizer=muon's with these parameter groups; resume it "
+                "with the optimizer it was trained with"
+            )
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning runs the training step in it
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group[MUON]:
+                self._muon_step(group)
+        adamw = [g for g in self.param_groups if not g[MUON]]
+        if adamw:
+            # torch's AdamW over this optimizer's groups and state (load_state_dict replaces both)
+            self._adamw.param_groups, self._adamw.state = adamw, self.state
+            self._adamw.step()
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        """torch.optim.Muon's `_single_tensor_muon`, a sharded matrix orthogonalized whole."""
+        lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+        lr = lr.item() if isinstance(lr, Tensor) else lr
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            dtype = NS_DTYPES[group["ns_dtype"]]
+            update = orthogonalized(
+                update, param, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
+            )
+            param.mul_(1 - lr * weight_decay)
+            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))

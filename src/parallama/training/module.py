@@ -21,7 +21,7 @@ from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.runtime import compat
 from parallama.training.muon import mark_hidden_matrices
-from parallama.training.optim import optimizer_factory, peak_lr, with_fused_default
+from parallama.training.optim import optimizer_factory, with_fused_default
 
 log = logging.getLogger("parallama")
 
@@ -212,9 +212,7 @@ class CausalLM(L.LightningModule):
         for (each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's)."""
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            lrs = getattr(self, "configured_lrs", None)
-            if lrs is None or len(lrs) != len(scheduler.base_lrs):
-                lrs = [self.configured_lr] * len(scheduler.base_lrs)
+            lrs = self.configured_lrs
             if list(scheduler.base_lrs) == lrs:
                 continue
             if self.global_rank == 0:
@@ -253,7 +251,6 @@ class CausalLM(L.LightningModule):
             loss_scaled=getattr(strategy.precision_plugin, "scaler", None) is not None,
             clipping=bool(self.trainer.gradient_clip_val),
         )
-        self.configured_lr = peak_lr(factory)
         groups = self.param_groups()
         if getattr(factory.func, "takes_hidden_matrices", False):  # Muon's (training/muon.py)
             groups = mark_hidden_matrices(groups, self.model)

@@ -41,9 +41,7 @@ def check_optimizer(config: Mapping) -> partial:
             f"optimizer._target_={name} does not take the configured keywords ({err}); remove a key with "
             "'~optimizer.<key>' or choose another optimizer"
         ) from None
-    if check := getattr(
-        factory.func, "check_keywords", None
-    ):  # a class that checks its values (training/muon.py)
+    if check := getattr(factory.func, "check_keywords", None):  # a class that checks its values (muon.py)
         check(factory.keywords)
     return factory
 

@@ -58,7 +58,7 @@ CASES = [  # (overrides, what the one line must say)
     (["trainer.max_steps=0"], "trainer.max_steps=0 is not valid"),
     (["trainer.max_epochs=0"], "trainer.max_epochs=0 is not valid"),
     (["trainer.num_nodes=0"], "trainer.num_nodes=0 is not valid; use an integer >= 1"),
-    (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
+    (["trainer.devices=0"], "trainer.devices=0 is not valid; use a count (e.g. 2), auto, or device ids"),
     (
         ["trainer.accumulate_grad_batches=-2"],
         "trainer.accumulate_grad_batches=-2 is not valid; use an integer >= 1",
@@ -83,6 +83,16 @@ CASES = [  # (overrides, what the one line must say)
     (["global_batch_size=0"], "global_batch_size=0 is not valid; use an integer >= 1 or null"),
     (["global_batch_size=32", "trainer.accumulate_grad_batches=4"], "set only one of them"),
     (["optimizer.lr=5"], "optimizer.lr=5 is not valid; use a number in (0, 1]"),
+    # found as tracebacks (a ValueError in parallel/dims.py; 'int' has no total_seconds after training started)
+    (
+        ["trainer.devices=abc"],
+        "trainer.devices='abc' is not valid; use a count (e.g. 2), auto, or device ids",
+    ),
+    (["trainer.devices=[]"], "trainer.devices=[] is not valid; use a count"),
+    (
+        ["callbacks.last_checkpoint.train_time_interval=30"],
+        "callbacks.last_checkpoint.train_time_interval=30 is not valid; use null or a duration",
+    ),
     (["optimizer.lr=0"], "optimizer.lr=0 is not valid"),
     (["optimizer.lr=fast"], "optimizer.lr='fast' is not valid"),
     (["optimizer.weight_decay=-1"], "optimizer.weight_decay=-1 is not valid; use a number >= 0"),
@@ -229,3 +239,13 @@ def test_the_documented_notebook_commands_compose():
     assert ["strategy=ddp_spawn", "trainer.devices=2"] in commands and ["trainer=ddp_sim"] in commands
     for command in commands:
         preflight(CONF_DIR, "train", command)
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
+    """Found: NotADirectoryError from data/parts.py once the tokenizer was trained."""
+    file = tmp_path / "cache"
+    file.write_text("")
+    with pytest.raises(ConfigError, match=rf"^paths.cache_dir={file} is a file; give a folder"):
+        preflight(CONF_DIR, "train", [f"paths.cache_dir={file}"])
+    for devices in ("2", "'0,1'", "[0,1]", "auto"):  # the forms trainer.devices takes
+        preflight(CONF_DIR, "train", ["trainer.accelerator=cpu", f"trainer.devices={devices}"])

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from parallama.errors import ConfigError
 from parallama.parallel.dims import uses_gpu
@@ -253,6 +253,35 @@ def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
 
 def _check_values(cfg: DictConfig) -> None:
     check_values(cfg, RULES)
+    _check_devices_value(cfg.trainer.get("devices", "auto"))
+    interval = OmegaConf.select(cfg, "callbacks.last_checkpoint.train_time_interval")
+    if interval is not None and not (isinstance(interval, DictConfig) and "_target_" in interval):
+        raise ConfigError(
+            f"callbacks.last_checkpoint.train_time_interval={show(interval)} is not valid; use null or a duration, "
+            "e.g. {_target_:datetime.timedelta,minutes:30}"
+        )
+    cache = OmegaConf.select(cfg, "paths.cache_dir")
+    if isinstance(cache, str) and os.path.exists(cache) and not os.path.isdir(cache):
+        raise ConfigError(f"paths.cache_dir={cache} is a file; give a folder (it is created if missing)")
+
+
+def _check_devices_value(devices) -> None:
+    """trainer.devices: a count, auto, a list of device ids or their comma-separated string."""
+    ids = None
+    if isinstance(devices, str) and devices != "auto":
+        ids = [i.strip() for i in devices.split(",") if i.strip()]
+    elif isinstance(devices, (list, ListConfig)):
+        ids = [str(i) for i in devices]
+    valid = (
+        devices == "auto"
+        or (type(devices) is int and devices >= 1)
+        or (ids is not None and len(ids) > 0 and all(i.isdigit() for i in ids))
+    )
+    if not valid:
+        raise ConfigError(
+            f"trainer.devices={show(devices)} is not valid; use a count (e.g. 2), auto, or device ids "
+            "([0,1] or '0,1')"
+        )
 
 
 def show(value) -> str:
@@ -355,8 +384,6 @@ def _check_devices(trainer: DictConfig) -> None:
         raise ConfigError(
             f"trainer.accelerator={accelerator} but no GPU is visible; use trainer.accelerator=cpu or auto"
         )
-    if isinstance(devices, int) and devices < 1:
-        raise ConfigError(f"trainer.devices={devices} must be >= 1 (or auto)")
     if uses_gpu(accelerator) and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
     if trainer.num_nodes > 1:

@@ -249,3 +249,15 @@ def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
         preflight(CONF_DIR, "train", [f"paths.cache_dir={file}"])
     for devices in ("2", "'0,1'", "[0,1]", "auto"):  # the forms trainer.devices takes
         preflight(CONF_DIR, "train", ["trainer.accelerator=cpu", f"trainer.devices={devices}"])
+
+
+def test_fp16_on_a_cpu_is_recorded_as_the_bf16_that_runs():
+    """Found: `trainer.precision=16-mixed` on a CPU ran as bf16-mixed while resolved_config.yaml said 16-mixed."""
+    from hydra import compose, initialize_config_dir
+
+    from parallama.config.checks import check_config
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.accelerator=cpu", "trainer.precision=16-mixed"])
+    check_config(cfg)
+    assert cfg.trainer.precision == "bf16-mixed"

@@ -417,6 +417,22 @@ def apply_derived(cfg: DictConfig) -> None:
     """What the config's values derive (in the preflight's check and again in the job's own config)."""
     apply_val_check_epochs(cfg)
     apply_global_batch(cfg)
+    apply_cpu_precision(cfg)
+
+
+def apply_cpu_precision(cfg: DictConfig) -> None:
+    """fp16 on a CPU runs as bf16 (Lightning falls back, with a warning): the config says what runs, so the run's
+    resolved_config.yaml, W&B and a resume see bf16-mixed (found: they said 16-mixed)."""
+    trainer = cfg.trainer
+    precision = str(trainer.get("precision"))
+    if precision in ("16-mixed", "16") and not uses_gpu(trainer.get("accelerator", "auto")):
+        import logging
+
+        logging.getLogger("parallama").info(
+            f"trainer.precision={precision} runs as bf16-mixed on CPU (no fp16 autocast there): set so"
+        )
+        with open_dict(cfg):
+            trainer.precision = "bf16-mixed"
 
 
 def apply_val_check_epochs(cfg: DictConfig) -> None:

@@ -261,3 +261,26 @@ def test_fp16_on_a_cpu_is_recorded_as_the_bf16_that_runs():
         cfg = compose("train", overrides=["trainer.accelerator=cpu", "trainer.precision=16-mixed"])
     check_config(cfg)
     assert cfg.trainer.precision == "bf16-mixed"
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line(tmp_path):
+    """Found: `hydra.run.dir=/proc/x` was a FileNotFoundError traceback, printed twice."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for path, reason in [("/proc/x", "No such file or directory"), (f"{file}/run", f"{file} is a file")]:
+        with pytest.raises(ConfigError, match=rf"^hydra.run.dir={path} cannot be created \(.*{reason}"):
+            preflight(CONF_DIR, "train", [f"hydra.run.dir={path}"])
+    preflight(CONF_DIR, "train", [f"hydra.run.dir={tmp_path}/new/run"])  # a folder it can make
+    assert not (tmp_path / "new").exists()  # made and removed: Hydra makes the run's own
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
+    """Found: a UsageError traceback from wandb.init, after the run directory existed."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no `wandb login` netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(ConfigError, match=r"^W&B online \(logger.wandb.mode or WANDB_MODE\) but no API key"):
+        preflight(CONF_DIR, "train", ["logger=wandb"])
+    preflight(CONF_DIR, "train", ["logger=wandb", "logger.wandb.mode=offline"])
+    monkeypatch.delenv("WANDB_MODE")
+    preflight(CONF_DIR, "train", ["logger=wandb"])  # auto: offline without a key

@@ -260,9 +260,39 @@ def _check_values(cfg: DictConfig) -> None:
             f"callbacks.last_checkpoint.train_time_interval={show(interval)} is not valid; use null or a duration, "
             "e.g. {_target_:datetime.timedelta,minutes:30}"
         )
+    _check_wandb(cfg)
     cache = OmegaConf.select(cfg, "paths.cache_dir")
     if isinstance(cache, str) and os.path.exists(cache) and not os.path.isdir(cache):
         raise ConfigError(f"paths.cache_dir={cache} is a file; give a folder (it is created if missing)")
+
+
+def wandb_api_key_configured() -> bool:
+    """WANDB_API_KEY, or `wandb login`'s netrc entry for the W&B host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def _check_wandb(cfg: DictConfig) -> None:
+    """W&B online without an API key fails inside wandb.init, after the run directory exists (found: a
+    UsageError traceback): one line before work. `auto` (the default) picks offline without a key."""
+    mode = OmegaConf.select(cfg, "logger.wandb.mode")
+    if mode is None or mode == "disabled":
+        return
+    if mode == "auto":
+        mode = os.environ.get("WANDB_MODE", "")
+    if mode == "online" and not wandb_api_key_configured():
+        raise ConfigError(
+            "W&B online (logger.wandb.mode or WANDB_MODE) but no API key is configured: `wandb login` or set "
+            "WANDB_API_KEY, or log offline (logger.wandb.mode=offline, or auto with WANDB_MODE unset)"
+        )
 
 
 def _check_devices_value(devices) -> None:

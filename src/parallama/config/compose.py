@@ -89,6 +89,8 @@ def preflight(
                 search.append(f"file://{Path(value).resolve()}")
         elif flag in ("-m", "--multirun"):
             multirun = True
+        elif flag in ("hydra.run.dir", "hydra.sweep.dir") and not printing:
+            _check_creatable(flag, arg.split("=", 1)[1])
         elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
     extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
@@ -113,6 +115,24 @@ def preflight(
                         _CHECKED.add(tuple(job))
             except ConfigError as err:
                 raise ConfigError(f"{err}{where}") from None
+
+
+def _check_creatable(key: str, path: str) -> None:
+    """A run directory Hydra could not create is one line here (found: `hydra.run.dir=/proc/x`, a traceback
+    printed twice): a folder is made and removed in its nearest existing parent. Interpolations are left to Hydra."""
+    import tempfile
+
+    if "${" in path:
+        return
+    parent = Path(path).expanduser().absolute()
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{parent} is a file")
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError as err:
+        raise ConfigError(f"{key}={path} cannot be created ({err}); choose a folder you can write") from None
 
 
 def _check_sweep_allowed(overrides: list[str], printing: bool) -> None:

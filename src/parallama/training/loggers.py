@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import csv
 import logging
-import netrc
 import os
 from argparse import Namespace
-from urllib.parse import urlparse
 
 import lightning as L
 from lightning.pytorch.loggers import Logger, WandbLogger
@@ -22,6 +20,7 @@ from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
 from parallama.checkpoint.formats import client_state
+from parallama.config.checks import wandb_api_key_configured
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
@@ -103,16 +102,6 @@ class AppendingCSVLogger(Logger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.save()
-
-
-def wandb_api_key_configured() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
 
 
 def wandb_logger(mode: str = "auto", save_dir: str = ".", **kwargs) -> WandbLogger:

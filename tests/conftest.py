@@ -105,6 +105,21 @@ def train(
     return run_cli("parallama.cli.train", *TINY, *extra, *args, cwd=cwd, **kwargs)
 
 
+def layout_weights(
+    run_dir: Path, *args: str, ranks: int, batch: int, cwd: Path, cache: Path, env: dict | None = None
+) -> dict:
+    """A run of `args` on `ranks` processes at per-rank micro-batch `batch` in `run_dir`, and its last.ckpt's
+    weights through parallama-export: what a parity test compares with one process's."""
+    from safetensors.torch import load_file
+
+    from parallama.cli.export import main as export_hf
+
+    train(*args, f"trainer.devices={ranks}", f"data.batch_size={batch}", cwd=cwd, cache=cache, run_dir=run_dir,
+          env=env, timeout=600)  # fmt: skip
+    export_hf([f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"out_dir={run_dir / 'hf'}"])
+    return load_file(run_dir / "hf" / "model.safetensors")
+
+
 def pytest_sessionfinish(session) -> None:
     if _fork_server is not None:
         _fork_server.close()

@@ -26,10 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train
-from safetensors.torch import load_file
-
-from parallama.cli.export import main as export_hf
+from conftest import layout_weights, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,21 +113,17 @@ def weights(tmp_path_factory, data_cache) -> dict:
     for recipe, (overrides, layouts) in RECIPES.items():
         for layout in layouts:
             ranks, batch, args = LAYOUTS[layout]
-            run = tmp / f"{recipe}-{layout}"
-            train(
+            out[recipe, layout] = layout_weights(
+                tmp / f"{recipe}-{layout}",
                 *COMMON,
                 *overrides,
                 *args,
-                f"trainer.devices={ranks}",
-                f"data.batch_size={batch}",
+                ranks=ranks,
+                batch=batch,
                 cwd=tmp,
                 cache=data_cache,
-                run_dir=run,
                 env={"PYTHONPATH": str(tmp)},
-                timeout=600,
             )
-            export_hf([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"out_dir={run / 'hf'}"])
-            out[recipe, layout] = load_file(run / "hf" / "model.safetensors")
     return out
 
 
@@ -151,9 +144,7 @@ def test_each_layout_trains_the_recipe_as_one_process(recipe, layout, weights):
 @pytest.fixture(scope="module")
 def default_weights(tmp_path_factory, data_cache) -> dict:
     tmp = tmp_path_factory.mktemp("recipe_default")
-    train(*COMMON, "data.batch_size=8", cwd=tmp, cache=data_cache, run_dir=tmp / "run")
-    export_hf([f"ckpt_path={tmp / 'run' / 'checkpoints' / 'last.ckpt'}", f"out_dir={tmp / 'hf'}"])
-    return load_file(tmp / "hf" / "model.safetensors")
+    return layout_weights(tmp / "run", *COMMON, ranks=1, batch=8, cwd=tmp, cache=data_cache)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import train
-from safetensors.torch import load_file
-
-from parallama.cli.export import main as export_hf
+from conftest import layout_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,19 +33,9 @@ def weights(tmp_path_factory, data_cache) -> dict:
     tmp = tmp_path_factory.mktemp("selective_ac")
     out = {}
     for layout, (ranks, batch, args) in LAYOUTS.items():
-        run = tmp / layout
-        train(
-            *COMMON,
-            *args,
-            f"trainer.devices={ranks}",
-            f"data.batch_size={batch}",
-            cwd=tmp,
-            cache=data_cache,
-            run_dir=run,
-            timeout=600,
+        out[layout] = layout_weights(
+            tmp / layout, *COMMON, *args, ranks=ranks, batch=batch, cwd=tmp, cache=data_cache
         )
-        export_hf([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"out_dir={run / 'hf'}"])
-        out[layout] = load_file(run / "hf" / "model.safetensors")
     return out
 
 

@@ -1,5 +1,7 @@
 """docs/customize.md as written: every file it shows is written into a folder (the user's project), and every
-`parallama-train` command it shows trains there, a few steps of the tiny model, with that folder on PYTHONPATH."""
+`parallama-train` command it shows trains there, a few steps of the tiny model, with that folder on PYTHONPATH;
+a command the page follows with `# error: ...` is refused with that line (each rank's), exit status 2, before
+anything is written."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ from conftest import TINY, run_cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "customize.md"
 FILE = re.compile(r"<!-- file: (\S+) -->\n```\w+\n(.*?)```", re.S)
-COMMAND = re.compile(r"^(?:PYTHONPATH=\. )?parallama-train (.*)$", re.M)
+# a command, and the line the page says it is refused with (none: it trains)
+COMMAND = re.compile(r"^(?:PYTHONPATH=\. )?parallama-(train|export) (.*)\n(?:# (error: .*)\n)?", re.M)
 QUICK = ["trainer.max_steps=3", "trainer.val_check_interval=3", "validate_before_training=false"]
 QUICK += ["sample.max_new_tokens=0"]
+TOOLS = {"train": "parallama.cli.train", "export": "parallama.cli.export"}
+TRAINS = [args for tool, args, error in COMMAND.findall(DOC.read_text()) if tool == "train" and not error]
+REFUSED = [(tool, args, error) for tool, args, error in COMMAND.findall(DOC.read_text()) if error]
 
 
 def test_the_page_has_examples():
     text = DOC.read_text()
-    assert len(FILE.findall(text)) >= 7 and len(COMMAND.findall(text)) >= 8
+    assert len(FILE.findall(text)) >= 13 and len(TRAINS) >= 11 and len(REFUSED) >= 2
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +39,26 @@ def project(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("command", COMMAND.findall(DOC.read_text()))
-def test_each_command_of_the_page_trains(command, project, data_cache):
-    run = project / "runs" / re.sub(r"\W+", "_", command)[:80]
+def run_page(tool: str, command: str, project: Path, data_cache: Path, check: bool = True):
+    """A command of the page in the user's project; a training run gets the tiny model and a few steps, in the
+    run directory the command names (else one of its own), and returns that directory."""
     args = shlex.split(command)
     flags = args[:2] if args[0] == "--config-dir" else []  # Hydra's flags come before the overrides
-    overrides = [*TINY, f"paths.cache_dir={data_cache}", f"hydra.run.dir={run}", *args[len(flags) :], *QUICK]
-    run_cli("parallama.cli.train", *flags, *overrides, cwd=project, env={"PYTHONPATH": str(project)})
+    if tool == "export":
+        return run_cli(TOOLS[tool], *args, cwd=project, env={"PYTHONPATH": str(project)}, check=check), None
+    named = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
+    run = project / (named[0] if named else Path("runs") / re.sub(r"\W+", "_", command)[:80])
+    overrides = [*TINY, f"paths.cache_dir={data_cache}", *args[len(flags) :], *QUICK]
+    overrides += [] if named else [f"hydra.run.dir={run}"]
+    proc = run_cli(
+        TOOLS[tool], *flags, *overrides, cwd=project, env={"PYTHONPATH": str(project)}, check=check
+    )
+    return proc, run
+
+
+@pytest.mark.parametrize("command", TRAINS)
+def test_each_command_of_the_page_trains(command, project, data_cache):
+    _, run = run_page("train", command, project, data_cache)
     with open(run / "csv" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
@@ -48,3 +67,18 @@ def test_each_command_of_the_page_trains(command, project, data_cache):
         assert any(r.get("train/grad_norm") for r in rows)
     if "Accuracy" in command:  # the validation metric: a fraction of the labelled tokens
         assert 0 <= float(next(r["val/accuracy"] for r in rows if r.get("val/accuracy"))) <= 1
+
+
+@pytest.mark.parametrize("tool, command, error", REFUSED, ids=[f"{t} {c}" for t, c, _ in REFUSED])
+def test_each_refusal_of_the_page_is_its_one_line(tool, command, error, project, data_cache):
+    for ckpt in re.findall(r"ckpt_path=(runs/[^/]+)/", command):  # the page's run that wrote it
+        if not (project / ckpt / "checkpoints" / "last.ckpt").exists():
+            run_page("train", next(c for c in TRAINS if f"hydra.run.dir={ckpt}" in c), project, data_cache)
+    proc, run = run_page(tool, command, project, data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and lines, out[-3000:]
+    layers = re.compile(r"\(and \d+ more\)")  # the tiny model here has 2 blocks, the page's default 4
+    for line in lines:  # each rank's one line
+        assert layers.sub("", line[line.index("error:") :]).startswith(layers.sub("", error)), lines
+    assert not (run and (run / "checkpoints").exists()) and not (project / "hf").exists()  # nothing written

@@ -1,6 +1,6 @@
 """Bad config input: each case is refused before any work, in one line naming the key and what is valid.
 
-72 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
+98 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
 Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
 tests/integration/test_bad_config_cli.py checks on the real command line that the line is all the user sees.
 """
@@ -143,6 +143,25 @@ CASES = [  # (overrides, what the one line must say)
         "strategy.process_group_backend='mpi' is not valid",
     ),
     (["strategy=ddp", "strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb=0 is not valid; use a number > 0"),
+    # keys the string-keyed table did not have, now fields of config/schema.py
+    (["trainer.benchmark=maybe"], "trainer.benchmark='maybe' is not valid; use true or false"),
+    (
+        ["trainer.check_val_every_n_epoch=0"],
+        "trainer.check_val_every_n_epoch=0 is not valid; use an integer >= 1",
+    ),
+    (
+        ["strategy=model_parallel", "strategy.pp_schedule=zigzag"],
+        "strategy.pp_schedule='zigzag' is not valid; use one of 'gpipe', '1f1b'",
+    ),
+    (
+        ["data/source=hub", "data.source.name=x", "data.source.streaming=perhaps"],
+        "data.source.streaming='perhaps' is not valid; use true or false",
+    ),
+    (["logger=wandb", "logger.wandb.log_model=sometimes"], "logger.wandb.log_model='sometimes' is not valid"),
+    (
+        ["strategy=fsdp", "strategy.save_distributed_checkpoint=2"],
+        "strategy.save_distributed_checkpoint=2 is not",
+    ),
     # Hydra's own flags: a sweep is checked job by job, --cfg like a run
     (
         ["-m", "optimizer.lr=1e-3,2"],

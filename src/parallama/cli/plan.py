@@ -10,8 +10,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.checks import Rule, check_values
 from parallama.config.compose import compose_tool
+from parallama.config.schema import Rule, check_values
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node

@@ -21,14 +21,13 @@ import hydra
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.checks import RULES as TRAIN_RULES
-from parallama.config.checks import Rule, check_values
+from parallama.config.schema import Rule, check_values, train_rules
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
 RULES = {
-    **{k: rule for k, rule in TRAIN_RULES.items() if k.startswith(("seed", "data.", "tokenizer."))},
+    **train_rules("seed", "data.", "tokenizer."),
     "prepare.num_proc": Rule(int, 1, allow=(None,)),
     "prepare.num_nodes": Rule(int, 1),
     "prepare.node_rank": Rule(int, 0),

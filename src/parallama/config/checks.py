@@ -1,8 +1,9 @@
-"""Cross-key checks of the composed config, run before any data is read or any process is started.
+"""The checks of the composed config, run before any data is read or any process is started.
 
 Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
-accepts is in `RULES`; the model's fields are checked by its family's config class itself (`models`). How the config is composed
-from the command line (and Hydra's own errors worded) is in `compose`.
+accepts is stated once, beside its default, in `schema`; here is what relates keys (or reads the machine and the
+files a run names). The model's fields are checked by its family's config class itself (`models`). How the
+config is composed from the command line (and Hydra's own errors worded) is in `compose`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from parallama.config.schema import check_schema
 from parallama.errors import ConfigError
 from parallama.parallel.dims import uses_gpu
 from parallama.parallel.layout_checks import check_layout
-from parallama.parallel.options import AC_MODES, AC_POLICIES, FLOAT8_RECIPES
-from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
@@ -115,151 +115,8 @@ def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:
     return [found for key in node for found in _file_sources(node.get(key), f"{where}.{key}")]
 
 
-class Rule:
-    """What one key accepts: a kind (int, float, bool, str) within [low, high] (`open` makes the bounds
-    exclusive: "low", "high" or "both"), a fixed set of `choices`, and extra allowed values (null, -1, auto)."""
-
-    def __init__(self, kind: type, low=None, high=None, *, open: str = "", allow=(), choices=()):
-        self.kind, self.low, self.high, self.open, self.allow, self.choices = (
-            kind,
-            low,
-            high,
-            open,
-            allow,
-            choices,
-        )
-
-    def valid(self, value) -> bool:
-        if any(value is a or (type(value) is type(a) and value == a) for a in self.allow):
-            return True
-        if isinstance(value, bool) != (self.kind is bool):
-            return False
-        if self.choices:
-            return value in self.choices
-        if not isinstance(value, (int, float) if self.kind is float else self.kind):
-            return False
-        if self.low is not None and (value <= self.low if "low" in self.open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if "high" in self.open else value <= self.high)
-
-    def describe(self) -> str:
-        if self.choices:
-            text = "one of " + ", ".join(show(c) for c in self.choices)
-        else:
-            text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
-        if self.low is not None and self.high is not None:
-            text += f" in {'(' if 'low' in self.open else '['}{self.low}, {self.high}{')' if 'high' in self.open else ']'}"
-        elif self.low is not None:
-            text += f" {'>' if 'low' in self.open else '>='} {self.low}"
-        return text + "".join(f" or {show(a)}" for a in self.allow)
-
-
-_PRECISIONS = (
-    "32-true",
-    "32",
-    "bf16-mixed",
-    "bf16-true",
-    "16-mixed",
-    "16-true",
-    "64-true",
-    "transformer-engine",
-)
-RULES = {  # checked when the key exists (strategy keys only for the strategies that have them)
-    "seed": Rule(int, 0),
-    "global_batch_size": Rule(int, 1, allow=(None,)),
-    "compile": Rule(bool),
-    "activation_checkpointing": Rule(str, choices=AC_MODES, allow=(True, False)),  # true: full, false: none
-    "activation_checkpointing_policy.mode": Rule(str, choices=AC_POLICIES),
-    "activation_checkpointing_policy.every_n": Rule(int, 1),
-    "float8": Rule(str, choices=FLOAT8_RECIPES, allow=(None,)),
-    "validate_before_training": Rule(bool),
-    "data.seq_len": Rule(int, 1),
-    "data.batch_size": Rule(int, 1),
-    "data.packing": Rule(bool),
-    "data.document_mask": Rule(bool),
-    "data.val_fraction": Rule(float, 0, 1, open="high"),
-    "data.num_workers": Rule(int, 0),
-    "data.index_log": Rule(str, allow=(None,)),
-    "data.source.max_documents": Rule(int, 1, allow=(None,)),
-    "data.source.corpus": Rule(str, choices=("prose", "code")),
-    "tokenizer.vocab_size": Rule(int, 260),  # 256 bytes + 4 specials
-    "tokenizer.min_frequency": Rule(int, 1),
-    "tokenizer.train_documents": Rule(int, 1, allow=(None,)),
-    "trainer.max_steps": Rule(int, 1, allow=(-1,)),
-    "trainer.max_epochs": Rule(int, 1, allow=(-1, None)),
-    "trainer.num_nodes": Rule(int, 1),
-    "trainer.accumulate_grad_batches": Rule(int, 1),
-    "trainer.gradient_clip_val": Rule(float, 0, allow=(None,)),
-    "trainer.log_every_n_steps": Rule(int, 1),
-    "trainer.val_check_interval": Rule(float, 0, open="low", allow=(None,)),
-    "trainer.limit_val_batches": Rule(float, 0, allow=(None,)),
-    "trainer.limit_train_batches": Rule(float, 0, open="low", allow=(None,)),
-    "trainer.overfit_batches": Rule(float, 0),
-    "trainer.num_sanity_val_steps": Rule(int, -1),
-    "trainer.precision": Rule(str, choices=_PRECISIONS),
-    "trainer.accelerator": Rule(str, choices=("auto", "cpu", "gpu", "cuda")),
-    "trainer.deterministic": Rule(bool, allow=("warn",)),
-    "trainer.fast_dev_run": Rule(int, 0),  # bool or a number of batches
-    "optimizer.lr": Rule(float, 0, 1, open="low"),
-    "optimizer.weight_decay": Rule(float, 0),
-    "optimizer.eps": Rule(float, 0, open="low"),
-    "optimizer.fused": Rule(bool, allow=(None,)),
-    "sample.max_new_tokens": Rule(int, 0),
-    "sample.temperature": Rule(float, 0),
-    "sample.top_k": Rule(int, 1, allow=(None,)),
-    "sample.prompt": Rule(str),
-    "callbacks.last_checkpoint.every_n_train_steps": Rule(int, 1, allow=(None,)),
-    "callbacks.downstream_eval.every_n_steps": Rule(int, 1, allow=(None,)),
-    "callbacks.downstream_eval.limit": Rule(float, 0, open="low", allow=(None,)),
-    "callbacks.downstream_eval.batch_size": Rule(int, 1),
-    "logger.wandb.mode": Rule(str, choices=("auto", "online", "offline", "disabled")),
-    "strategy.stage": Rule(int, choices=(1, 2, 3)),
-    "strategy.mixed_precision": Rule(str, choices=("bf16", "fp16"), allow=(None,)),
-    "strategy.process_group_backend": Rule(str, choices=("nccl", "gloo"), allow=(None,)),
-    "strategy.offload_optimizer": Rule(bool),
-    "strategy.offload_parameters": Rule(bool),
-    "strategy.reshard_after_forward": Rule(bool),
-    "strategy.cpu_offload": Rule(bool),
-    "strategy.meta_init": Rule(bool),
-    "strategy.find_unused_parameters": Rule(bool),
-    "strategy.gradient_as_bucket_view": Rule(bool),
-    "strategy.static_graph": Rule(bool),
-    "strategy.bucket_cap_mb": Rule(float, 0, open="low"),
-    "strategy.dp_replicate": Rule(int, 1, allow=(-1,)),
-    "strategy.dp_shard": Rule(int, 1, allow=(-1,)),
-    "strategy.tp": Rule(int, 1),
-    "strategy.pp": Rule(int, 1),
-    "strategy.cp": Rule(int, 1),
-    "strategy.sequence_parallel": Rule(bool),
-    "strategy.pp_schedule": Rule(str, choices=tuple(PIPELINE_SCHEDULES)),
-    "strategy.pp_microbatches": Rule(int, 1, allow=(None,)),
-    "strategy.pp_stages_per_rank": Rule(int, 1, allow=(None,)),
-}
-
-
-def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
-    """Each key of `rules` that the config has against its rule, in one line naming the first bad one."""
-    for key, rule in rules.items():
-        parent, _, leaf = key.rpartition(".")
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        if not isinstance(node, DictConfig) or leaf not in node:
-            continue
-        value = node[leaf]
-        if key == "trainer.fast_dev_run" and isinstance(value, bool):
-            continue
-        if not rule.valid(value):
-            raise ConfigError(f"{key}={show(value)} is not valid; use {rule.describe()}")
-
-
 def _check_values(cfg: DictConfig) -> None:
-    check_values(cfg, RULES)
-    _check_devices_value(cfg.trainer.get("devices", "auto"))
-    interval = OmegaConf.select(cfg, "callbacks.last_checkpoint.train_time_interval")
-    if interval is not None and not (isinstance(interval, DictConfig) and "_target_" in interval):
-        raise ConfigError(
-            f"callbacks.last_checkpoint.train_time_interval={show(interval)} is not valid; use null or a duration, "
-            "e.g. {_target_:datetime.timedelta,minutes:30}"
-        )
+    check_schema(cfg)
     _check_wandb(cfg)
     cache = OmegaConf.select(cfg, "paths.cache_dir")
     if isinstance(cache, str) and os.path.exists(cache) and not os.path.isdir(cache):
@@ -293,29 +150,6 @@ def _check_wandb(cfg: DictConfig) -> None:
             "W&B online (logger.wandb.mode or WANDB_MODE) but no API key is configured: `wandb login` or set "
             "WANDB_API_KEY, or log offline (logger.wandb.mode=offline, or auto with WANDB_MODE unset)"
         )
-
-
-def _check_devices_value(devices) -> None:
-    """trainer.devices: a count, auto, a list of device ids or their comma-separated string."""
-    ids = None
-    if isinstance(devices, str) and devices != "auto":
-        ids = [i.strip() for i in devices.split(",") if i.strip()]
-    elif isinstance(devices, (list, ListConfig)):
-        ids = [str(i) for i in devices]
-    valid = (
-        devices == "auto"
-        or (type(devices) is int and devices >= 1)
-        or (ids is not None and len(ids) > 0 and all(i.isdigit() for i in ids))
-    )
-    if not valid:
-        raise ConfigError(
-            f"trainer.devices={show(devices)} is not valid; use a count (e.g. 2), auto, or device ids "
-            "([0,1] or '0,1')"
-        )
-
-
-def show(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _check_float8(cfg: DictConfig, hardware: bool) -> None:
@@ -358,13 +192,6 @@ def _check_recipe(cfg: DictConfig) -> None:
     from parallama.training.optim import check_optimizer, offload_refusal
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    betas = optimizer.get("betas")
-    if betas is not None and (
-        len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
-    ):
-        raise ConfigError(
-            f"optimizer.betas={list(betas)} is not valid; use two numbers in [0, 1), e.g. [0.9, 0.95]"
-        )
     factory = check_optimizer(optimizer)
     strategy = cfg.strategy
     if strategy.get("offload_optimizer") and (message := offload_refusal(factory.func)):

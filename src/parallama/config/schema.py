@@ -1,0 +1,422 @@
+"""One schema: each key of the training config with its type and valid values, stated once beside its default.
+
+A dataclass per config node (`SCHEMA`: where it applies, by path or, for a group whose options are different
+classes, by the node's `_target_`), a field per key: `key(default, Rule(...))`. `check_schema` checks a composed
+config against it before any work (`checks.check_config`), each bad value one line naming the key and what is
+valid; a key the config does not have is not checked (a strategy's keys only under that strategy). Each class
+mirrors one conf file (`conf`): tests/unit/test_config_schema.py holds every field's default equal to that
+file's value and every key of the file to a field, so a renamed or new key cannot go unchecked.
+
+What relates several keys (a batch that divides, a layout that fits the devices) is in `checks`; a model's
+fields are checked by its family's config class; the optimizer, schedule and loss check their own keywords.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from parallama.errors import ConfigError
+from parallama.parallel.options import AC_MODES, AC_POLICIES, FLOAT8_RECIPES
+from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
+
+
+def show(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+class Rule:
+    """What one key accepts: a kind (int, float, bool, str) within [low, high] (`open` makes the bounds
+    exclusive: "low", "high" or "both"), a fixed set of `choices`, and extra allowed values (null, -1, auto)."""
+
+    def __init__(self, kind: type, low=None, high=None, *, open: str = "", allow=(), choices=()):
+        self.kind, self.low, self.high, self.open, self.allow, self.choices = (
+            kind,
+            low,
+            high,
+            open,
+            allow,
+            choices,
+        )
+
+    def valid(self, value) -> bool:
+        if any(value is a or (type(value) is type(a) and value == a) for a in self.allow):
+            return True
+        if isinstance(value, bool) != (self.kind is bool):
+            return False
+        if self.choices:
+            return value in self.choices
+        if not isinstance(value, (int, float) if self.kind is float else self.kind):
+            return False
+        if self.low is not None and (value <= self.low if "low" in self.open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if "high" in self.open else value <= self.high)
+
+    def describe(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(show(c) for c in self.choices)
+        else:
+            text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
+        if self.low is not None and self.high is not None:
+            text += f" in {'(' if 'low' in self.open else '['}{self.low}, {self.high}{')' if 'high' in self.open else ']'}"
+        elif self.low is not None:
+            text += f" {'>' if 'low' in self.open else '>='} {self.low}"
+        return text + "".join(f" or {show(a)}" for a in self.allow)
+
+
+class Check(Rule):
+    """A key whose valid values are not a kind and a range (a list, a duration): `valid(value)`, described."""
+
+    def __init__(self, valid: Callable[[Any], bool], description: str):
+        self.valid, self.description = valid, description  # type: ignore[method-assign]
+
+    def describe(self) -> str:
+        return self.description
+
+
+def key(default, rule: Rule | None = None):
+    """A field: its default (the conf file's value) and what it accepts (None: anything, e.g. a path)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
+def _devices(value) -> bool:
+    """trainer.devices: a count, auto, a list of device ids or their comma-separated string."""
+    if isinstance(value, str) and value != "auto":
+        ids = [i.strip() for i in value.split(",") if i.strip()]
+    elif isinstance(value, (list, ListConfig)):
+        ids = [str(i) for i in value]
+    else:
+        return value == "auto" or (type(value) is int and value >= 1)
+    return len(ids) > 0 and all(i.isdigit() for i in ids)
+
+
+def _betas(value) -> bool:
+    return (
+        isinstance(value, (list, ListConfig))
+        and len(value) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
+    )
+
+
+def _duration(value) -> bool:  # a `_target_` node Hydra builds (datetime.timedelta)
+    return value is None or (isinstance(value, DictConfig) and "_target_" in value)
+
+
+POSITIVE, COUNT = Rule(int, 1), Rule(int, 0)
+BOOL = Rule(bool)
+SOME = Rule(int, 1, allow=(None,))  # a count, or null
+PRECISIONS = (
+    "32-true",
+    "32",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+    "64-true",
+    "transformer-engine",
+)
+
+
+@dataclass
+class Run:
+    conf: ClassVar[str] = "train.yaml"
+
+    task_name: str = key("train", Rule(str))
+    tags: list = key(["dev"])
+    seed: int = key(42, COUNT)
+    ckpt_path: str | None = key(None)  # checked as a file in checks.check_inputs
+    global_batch_size: int | None = key(None, SOME)
+    compile: bool = key(False, BOOL)
+    activation_checkpointing: str | bool = key("none", Rule(str, choices=AC_MODES, allow=(True, False)))
+    float8: str | None = key(None, Rule(str, choices=FLOAT8_RECIPES, allow=(None,)))
+    init_from: str | None = key(None)  # a Hugging Face folder, read in checks.check_inputs
+    validate_before_training: bool = key(True, BOOL)
+
+
+@dataclass
+class ACPolicy:
+    conf: ClassVar[str] = "train.yaml:activation_checkpointing_policy"
+
+    mode: str = key("op", Rule(str, choices=AC_POLICIES))
+    every_n: int = key(2, POSITIVE)
+
+
+@dataclass
+class Sample:
+    conf: ClassVar[str] = "train.yaml:sample"
+
+    prompt: str = key("The ", Rule(str))
+    max_new_tokens: int = key(120, COUNT)
+    temperature: float = key(0.8, Rule(float, 0))
+    top_k: int | None = key(40, SOME)
+
+
+@dataclass
+class Data:
+    conf: ClassVar[str] = "data/default.yaml"
+
+    tokenizer: Any = key("${tokenizer}")
+    seq_len: int = key(256, POSITIVE)
+    batch_size: int = key(16, POSITIVE)
+    packing: bool = key(True, BOOL)
+    document_mask: bool = key(False, BOOL)
+    val_fraction: float = key(0.05, Rule(float, 0, 1, open="high"))
+    num_workers: int = key(0, COUNT)
+    cache_dir: str = key("${paths.cache_dir}")
+    seed: int = key("${seed}")
+    index_log: str | None = key(None, Rule(str, allow=(None,)))
+
+
+@dataclass
+class EmbeddedSource:
+    conf: ClassVar[str] = "data/source/embedded.yaml"
+
+    corpus: str = key("prose", Rule(str, choices=("prose", "code")))
+    max_documents: int | None = key(None, SOME)
+
+
+@dataclass
+class FilesSource:
+    conf: ClassVar[str] = "data/source/files.yaml"
+
+    paths: Any = key("???")  # a path, a glob or a list: matched in checks.check_inputs
+    text_key: str = key("text", Rule(str))
+    max_documents: int | None = key(None, SOME)
+
+
+@dataclass
+class HubSource:
+    conf: ClassVar[str] = "data/source/hub.yaml"  # fineweb.yaml: the same keys, FineWeb's values
+
+    name: str = key("???", Rule(str))
+    config_name: str | None = key(None, Rule(str, allow=(None,)))
+    split: str = key("train", Rule(str))
+    text_key: str = key("text", Rule(str))
+    streaming: bool = key(True, BOOL)
+    max_documents: int | None = key(None, SOME)
+
+
+@dataclass
+class BPETokenizer:
+    conf: ClassVar[str] = "tokenizer/bpe.yaml"
+
+    vocab_size: int = key(4096, Rule(int, 260))  # 256 bytes + 4 specials
+    min_frequency: int = key(2, POSITIVE)
+    train_documents: int | None = key(100000, SOME)
+
+
+@dataclass
+class Trainer:
+    """Lightning's Trainer arguments that parallama's config sets; any other argument of it may be added
+    (`+trainer.<key>`, checked against Lightning's signature in checks)."""
+
+    conf: ClassVar[str] = "trainer/default.yaml"
+
+    default_root_dir: str = key("${paths.output_dir}")
+    accelerator: str = key("auto", Rule(str, choices=("auto", "cpu", "gpu", "cuda")))
+    devices: int | str | list = key(
+        1, Check(_devices, "a count (e.g. 2), auto, or device ids ([0,1] or '0,1')")
+    )
+    num_nodes: int = key(1, POSITIVE)
+    precision: str = key("${auto_precision:}", Rule(str, choices=PRECISIONS))
+    max_steps: int = key(500, Rule(int, 1, allow=(-1,)))
+    max_epochs: int | None = key(-1, Rule(int, 1, allow=(-1, None)))
+    val_check_interval: int | float | None = key(100, Rule(float, 0, open="low", allow=(None,)))
+    check_val_every_n_epoch: int | None = key(None, SOME)
+    limit_val_batches: int | float | None = key(20, Rule(float, 0, allow=(None,)))
+    limit_train_batches: int | float | None = key(None, Rule(float, 0, open="low", allow=(None,)))
+    fast_dev_run: bool | int = key(False, Rule(int, 0, allow=(True, False)))  # or a number of batches
+    overfit_batches: int | float = key(0.0, Rule(float, 0))
+    num_sanity_val_steps: int = key(0, Rule(int, -1))
+    log_every_n_steps: int = key(10, POSITIVE)
+    gradient_clip_val: float | None = key(1.0, Rule(float, 0, allow=(None,)))
+    accumulate_grad_batches: int = key(1, POSITIVE)
+    deterministic: bool | str = key(False, Rule(bool, allow=("warn",)))
+    benchmark: bool = key(False, BOOL)
+    profiler: Any = key(None)  # a Lightning profiler or its name (debug=profiler)
+
+
+@dataclass
+class Optimizer:
+    """AdamW's keys; another optimizer's are checked where it has the same key (lr, weight_decay, ...), the rest
+    by its own signature."""
+
+    conf: ClassVar[str] = "optimizer/adamw.yaml"
+
+    lr: float = key(3e-3, Rule(float, 0, 1, open="low"))
+    betas: list = key([0.9, 0.99], Check(_betas, "two numbers in [0, 1), e.g. [0.9, 0.95]"))
+    eps: float = key(1e-8, Rule(float, 0, open="low"))
+    weight_decay: float = key(0.1, Rule(float, 0))
+    fused: bool | None = key(None, Rule(bool, allow=(None,)))
+
+
+@dataclass
+class LastCheckpoint:
+    conf: ClassVar[str] = "callbacks/default.yaml:last_checkpoint"
+
+    dirpath: str = key("${paths.output_dir}/checkpoints")
+    every_n_train_steps: int | None = key(100, SOME)
+    train_time_interval: Any = key(
+        None, Check(_duration, "null or a duration, e.g. {_target_:datetime.timedelta,minutes:30}")
+    )
+
+
+@dataclass
+class DownstreamEval:
+    conf: ClassVar[str] = "callbacks/default.yaml:downstream_eval"
+
+    tasks: list = key(["parallama_cloze", "parallama_choice"])
+    every_n_steps: int | None = key(None, SOME)
+    limit: int | float | None = key(100, Rule(float, 0, open="low", allow=(None,)))
+    batch_size: int = key(16, POSITIVE)
+    task_dirs: list = key([])
+    cache_dir: str = key("${paths.cache_dir}")
+
+
+@dataclass
+class WandbLogger:
+    conf: ClassVar[str] = "logger/wandb.yaml:logger.wandb"
+
+    project: str = key("parallama", Rule(str))
+    entity: str | None = key(None, Rule(str, allow=(None,)))
+    group: str = key("${task_name}")
+    name: str | None = key(None, Rule(str, allow=(None,)))
+    tags: list = key("${tags}")
+    id: str | None = key(None)
+    save_dir: str = key("${paths.output_dir}")
+    mode: str = key("auto", Rule(str, choices=("auto", "online", "offline", "disabled")))
+    log_model: bool | str = key(False, Rule(bool, allow=("all",)))
+
+
+BACKEND = Rule(str, choices=("nccl", "gloo"), allow=(None,))
+
+
+@dataclass
+class DDP:
+    conf: ClassVar[str] = "strategy/ddp.yaml"  # ddp_sharded.yaml and ddp_spawn.yaml: some of its keys
+
+    process_group_backend: str | None = key(None, BACKEND)
+    find_unused_parameters: bool = key(False, BOOL)
+    gradient_as_bucket_view: bool = key(True, BOOL)
+    static_graph: bool = key(False, BOOL)
+    bucket_cap_mb: float = key(25, Rule(float, 0, open="low"))
+
+
+@dataclass
+class DeepSpeed:
+    conf: ClassVar[str] = "strategy/deepspeed.yaml"
+
+    stage: int = key(2, Rule(int, choices=(1, 2, 3)))
+    offload_optimizer: bool = key(False, BOOL)
+    offload_parameters: bool = key(False, BOOL)
+    process_group_backend: str | None = key(None, BACKEND)
+    logging_batch_size_per_gpu: int = key("${data.batch_size}")
+
+
+@dataclass
+class FSDP:
+    conf: ClassVar[str] = "strategy/fsdp.yaml"
+
+    reshard_after_forward: bool = key(True, BOOL)
+    mixed_precision: str | None = key(None, Rule(str, choices=("bf16", "fp16"), allow=(None,)))
+    cpu_offload: bool = key(False, BOOL)
+    meta_init: bool = key(False, BOOL)
+    save_distributed_checkpoint: bool = key(True, BOOL)
+
+
+DP_SIZE = Rule(int, 1, allow=(-1,))  # -1: the ranks the other dimensions leave
+
+
+@dataclass
+class ModelParallel(FSDP):
+    conf: ClassVar[str] = "strategy/model_parallel.yaml"
+
+    dp_replicate: int = key(1, DP_SIZE)
+    dp_shard: int = key(-1, DP_SIZE)
+    tp: int = key(1, POSITIVE)
+    pp: int = key(1, POSITIVE)
+    cp: int = key(1, POSITIVE)
+    sequence_parallel: bool = key(False, BOOL)
+    pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
+    pp_microbatches: int | None = key(None, SOME)
+    pp_stages_per_rank: int | None = key(None, SOME)
+
+
+STRATEGIES = "parallama.parallel.strategies."
+# Where each class applies: a node by its path, or (a group whose options are different classes) a node at that
+# path whose `_target_` names the option.
+SCHEMA: dict[str, type | dict[str, type]] = {
+    "": Run,
+    "activation_checkpointing_policy": ACPolicy,
+    "sample": Sample,
+    "data": Data,
+    "data.source": {
+        "parallama.data.sources.embedded": EmbeddedSource,
+        "parallama.data.sources.files": FilesSource,
+        "parallama.data.sources.hub": HubSource,
+    },
+    "tokenizer": {"parallama.data.tokenizer.train_bpe": BPETokenizer},
+    "trainer": Trainer,
+    "optimizer": Optimizer,
+    "callbacks.last_checkpoint": LastCheckpoint,
+    "callbacks.downstream_eval": DownstreamEval,
+    "logger.wandb": WandbLogger,
+    "strategy": {
+        f"{STRATEGIES}ddp.DDP": DDP,
+        f"{STRATEGIES}ddp.ShardedDDP": DDP,
+        f"{STRATEGIES}ddp.DDPSpawn": DDP,
+        f"{STRATEGIES}deepspeed.DeepSpeed": DeepSpeed,
+        f"{STRATEGIES}fsdp.FSDP2": FSDP,
+        f"{STRATEGIES}model_parallel.ModelParallel": ModelParallel,
+    },
+}
+
+
+def rules(schema: type) -> dict[str, Rule]:
+    """A class's keys and their rules (the keys that have one)."""
+    return {f.name: f.metadata["rule"] for f in fields(schema) if f.metadata.get("rule") is not None}
+
+
+def train_rules(*prefixes: str) -> dict[str, Rule]:
+    """The rules of the training config by dotted key, for the tools that read part of it (parallama-prepare:
+    seed, data., tokenizer.); a group of several classes gives the rules of all of them."""
+    found: dict[str, Rule] = {}
+    for path, schema in SCHEMA.items():
+        for cls in schema.values() if isinstance(schema, dict) else [schema]:
+            for name, rule in rules(cls).items():
+                dotted = f"{path}.{name}" if path else name
+                if dotted.startswith(prefixes):
+                    found.setdefault(dotted, rule)
+    return found
+
+
+def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
+    """Each key of `rules` (dotted) that the config has against its rule, in one line naming the first bad one."""
+    for dotted, rule in rules.items():
+        parent, _, leaf = dotted.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig) and leaf in node:
+            _check(dotted, node[leaf], rule)
+
+
+def check_schema(cfg: DictConfig) -> None:
+    """The composed training config against `SCHEMA`: each key it has, in one line naming the first bad one."""
+    for path, schema in SCHEMA.items():
+        node = OmegaConf.select(cfg, path) if path else cfg
+        if not isinstance(node, DictConfig):
+            continue
+        if isinstance(schema, dict) and (schema := schema.get(node.get("_target_"))) is None:
+            continue  # an option of the user's own: its class checks its keywords
+        for name, rule in rules(schema).items():
+            if name in node:
+                _check(f"{path}.{name}" if path else name, node[name], rule)
+
+
+def _check(dotted: str, value, rule: Rule) -> None:
+    if not rule.valid(value):
+        raise ConfigError(f"{dotted}={show(value)} is not valid; use {rule.describe()}")

@@ -1,0 +1,79 @@
+"""config/schema.py states each key's type, valid values and default once: each class mirrors one conf file, so a
+key renamed or added in the file without its field (which the old string-keyed table skipped silently), or a
+default changed in one place only, fails here."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+import pytest
+from omegaconf import OmegaConf
+
+from parallama import CONF_DIR
+from parallama.config.schema import SCHEMA, ModelParallel, rules, train_rules
+
+CLASSES = sorted(
+    {
+        cls
+        for schema in SCHEMA.values()
+        for cls in (schema.values() if isinstance(schema, dict) else [schema])
+    },
+    key=lambda cls: cls.__name__,
+)
+
+
+def conf_node(conf: str) -> dict:
+    """The keys a conf file sets itself (`file.yaml:node.path` for a node in it), unresolved; without Hydra's
+    `defaults`, `_target_`/`_partial_` and the nodes other classes mirror."""
+    file, _, node = conf.partition(":")
+    data = OmegaConf.to_container(OmegaConf.load(CONF_DIR / file), resolve=False)
+    for part in node.split(".") if node else []:
+        data = data[part]
+    return {
+        k: v
+        for k, v in data.items()
+        if k not in ("defaults", "_target_", "_partial_") and not isinstance(v, dict)
+    }
+
+
+def defaults(cls) -> dict:
+    return {
+        f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        for f in fields(cls)
+    }
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=[cls.__name__ for cls in CLASSES])
+def test_each_class_is_its_conf_file(cls):
+    """The same keys, and each default the file's value."""
+    file = conf_node(cls.conf)
+    assert defaults(cls) == file
+
+
+def test_the_variants_of_a_group_use_their_class_s_keys():
+    """fineweb is hub's keys at FineWeb's values; ddp_sharded and ddp_spawn take some of ddp's."""
+    hub = SCHEMA["data.source"]["parallama.data.sources.hub"]
+    assert conf_node("data/source/fineweb.yaml").keys() == defaults(hub).keys()
+    ddp = SCHEMA["strategy"]["parallama.parallel.strategies.ddp.DDP"]
+    for option in ("ddp_sharded", "ddp_spawn"):
+        assert conf_node(f"strategy/{option}.yaml").keys() <= defaults(ddp).keys()
+    routed = {f"strategy/{cls.conf.split('/')[-1]}" for cls in SCHEMA["strategy"].values()}
+    shipped = {f"strategy/{p.name}" for p in (CONF_DIR / "strategy").glob("*.yaml")}
+    assert shipped - routed == {"strategy/auto.yaml", "strategy/ddp_sharded.yaml", "strategy/ddp_spawn.yaml"}
+
+
+def test_a_default_is_valid_by_its_own_rule():
+    for cls in CLASSES:
+        values = defaults(cls)
+        for name, rule in rules(cls).items():
+            value = values[name]
+            if not (isinstance(value, str) and value.startswith(("${", "???"))):
+                assert rule.valid(value), (cls.__name__, name, value)
+
+
+def test_the_tools_read_their_rules_from_it():
+    """parallama-prepare checks the training config's seed, data and tokenizer keys by the same rules."""
+    prepare = train_rules("seed", "data.", "tokenizer.")
+    assert {"seed", "data.seq_len", "data.source.corpus", "tokenizer.vocab_size"} <= prepare.keys()
+    assert not any(k.startswith("strategy.") for k in prepare)
+    assert train_rules("strategy.tp")["strategy.tp"] is rules(ModelParallel)["tp"]

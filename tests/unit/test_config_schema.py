@@ -77,3 +77,14 @@ def test_the_tools_read_their_rules_from_it():
     assert {"seed", "data.seq_len", "data.source.corpus", "tokenizer.vocab_size"} <= prepare.keys()
     assert not any(k.startswith("strategy.") for k in prepare)
     assert train_rules("strategy.tp")["strategy.tp"] is rules(ModelParallel)["tp"]
+
+
+def test_a_class_built_from_python_checks_its_arguments_by_the_same_rule():
+    """The data module and the FSDP strategy check their arguments by the schema's rules, not rules of their own."""
+    from parallama.errors import ConfigError
+    from parallama.parallel.strategies.fsdp import FSDP2
+
+    with pytest.raises(
+        ConfigError, match=r"^strategy.mixed_precision='int8' is not valid; use one of 'bf16', 'fp16'"
+    ):
+        FSDP2(mixed_precision="int8")

@@ -417,6 +417,14 @@ def check_schema(cfg: DictConfig) -> None:
                 _check(f"{path}.{name}" if path else name, node[name], rule)
 
 
+def check_arguments(path: str, schema: type, **values) -> None:
+    """The arguments of a class the config node at `path` builds, by its schema's rules: what the config check
+    does, for a caller from Python (the same rule, the same line)."""
+    for name, rule in rules(schema).items():
+        if name in values:
+            _check(f"{path}.{name}", values[name], rule)
+
+
 def _check(dotted: str, value, rule: Rule) -> None:
     if not rule.valid(value):
         raise ConfigError(f"{dotted}={show(value)} is not valid; use {rule.describe()}")

@@ -17,6 +17,7 @@ from lightning import LightningDataModule
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
+from parallama.config.schema import Data, check_arguments
 from parallama.data.cache import CacheEntry, TokenCache, load_tokenizer
 from parallama.data.cache import source_key as _source_key
 from parallama.data.datasets import PackedDataset, PaddedDataset, ResumableDistributedSampler
@@ -87,12 +88,7 @@ class TextDataModule(LightningDataModule):
         sources: Mapping | None = None,
     ):
         super().__init__()
-        if seq_len < 1:
-            raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
-        if batch_size < 1:
-            raise ConfigError(f"data.batch_size={batch_size} must be >= 1")
-        if not 0 <= val_fraction < 1:
-            raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1)")
+        check_arguments("data", Data, seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction)
         if document_mask and not packing:
             raise ConfigError(
                 "data.document_mask=true needs data.packing=true: a padded sample holds one document already"

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.config import schema
 from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
 from parallama.parallel.float8 import plain_tensors
@@ -69,6 +70,7 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         **kwargs,
     ) -> None:
+        schema.check_arguments("strategy", schema.FSDP, mixed_precision=mixed_precision)
         # Lightning's own 2-D mesh ("auto": nodes x processes per node) is not used: the mesh that shards the
         # model is `Parallelism.mesh`, and the data-parallel rank is `dims`'.
         super().__init__(
@@ -77,8 +79,6 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             **kwargs,
         )
-        if mixed_precision not in (None, "bf16", "fp16"):
-            raise ConfigError(f"strategy.mixed_precision={mixed_precision!r} is not one of null, bf16, fp16")
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload

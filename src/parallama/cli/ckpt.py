@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.schema import Rule, check_values, show
+from parallama.config.rules import Rule, check_values, show
 from parallama.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")  # as the Trainer names them

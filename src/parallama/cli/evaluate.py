@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.schema import Rule, check_values
+from parallama.config.rules import Rule, check_values
 from parallama.errors import ConfigError
 
 DATA_CONF = CONF_DIR / "data"

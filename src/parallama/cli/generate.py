@@ -7,7 +7,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.schema import Rule, check_values
+from parallama.config.rules import Rule, check_values
 from parallama.errors import ConfigError
 
 RULES = {

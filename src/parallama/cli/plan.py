@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from parallama.cli import app
 from parallama.config.compose import compose_tool
-from parallama.config.schema import Rule, check_values
+from parallama.config.rules import Rule, check_values
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node

@@ -21,7 +21,8 @@ import hydra
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.schema import Rule, check_values, train_rules
+from parallama.config.rules import Rule, check_values
+from parallama.config.schema import train_rules
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 

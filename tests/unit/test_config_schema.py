@@ -88,3 +88,29 @@ def test_a_class_built_from_python_checks_its_arguments_by_the_same_rule():
         ConfigError, match=r"^strategy.mixed_precision='int8' is not valid; use one of 'bf16', 'fp16'"
     ):
         FSDP2(mixed_precision="int8")
+
+
+OPTIONS = [  # each shipped option of the groups the schema covers (and the presets), with its required values
+    *[f"strategy={p.stem}" for p in sorted((CONF_DIR / "strategy").glob("*.yaml"))],
+    *[f"trainer={p.stem}" for p in sorted((CONF_DIR / "trainer").glob("*.yaml"))],
+    *[f"optimizer={p.stem}" for p in sorted((CONF_DIR / "optimizer").glob("*.yaml"))],
+    *[f"logger={p.stem}" for p in sorted((CONF_DIR / "logger").glob("*.yaml"))],
+    *[f"debug={p.stem}" for p in sorted((CONF_DIR / "debug").glob("*.yaml"))],
+    *[f"experiment={p.stem}" for p in sorted((CONF_DIR / "experiment").glob("*.yaml"))],
+    "callbacks=none",
+    "tokenizer=bpe",
+    "data/source=fineweb",
+    "data/source=files data.source.paths=x.txt",
+    "data/source=hub data.source.name=x",
+]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_shipped_option_is_valid_by_the_schema(option):
+    from hydra import compose, initialize_config_dir
+
+    from parallama.config.schema import check_schema
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=option.split())
+    check_schema(cfg)

@@ -24,7 +24,8 @@ from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
 def key(default, rule: Rule | None = None):
-    """A field: its default (the conf file's value) and what it accepts (None: anything, e.g. a path)."""
+    """A field: its default (the conf file's value) and what it accepts (None: anything, e.g. a path, a name,
+    what a library reads as it likes: Hydra hands `name=2026` over as an int)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"rule": rule})
     return field(default=default, metadata={"rule": rule})
@@ -72,7 +73,7 @@ PRECISIONS = (
 class Run:
     conf: ClassVar[str] = "train.yaml"
 
-    task_name: str = key("train", Rule(str))
+    task_name: str = key("train")
     tags: list = key(["dev"])
     seed: int = key(42, COUNT)
     ckpt_path: str | None = key(None)  # checked as a file in checks.check_inputs
@@ -131,7 +132,7 @@ class FilesSource:
     conf: ClassVar[str] = "data/source/files.yaml"
 
     paths: Any = key("???")  # a path, a glob or a list: matched in checks.check_inputs
-    text_key: str = key("text", Rule(str))
+    text_key: str = key("text")
     max_documents: int | None = key(None, SOME)
 
 
@@ -139,10 +140,10 @@ class FilesSource:
 class HubSource:
     conf: ClassVar[str] = "data/source/hub.yaml"  # fineweb.yaml: the same keys, FineWeb's values
 
-    name: str = key("???", Rule(str))
-    config_name: str | None = key(None, Rule(str, allow=(None,)))
-    split: str = key("train", Rule(str))
-    text_key: str = key("text", Rule(str))
+    name: str = key("???")
+    config_name: str | None = key(None)
+    split: str = key("train")
+    text_key: str = key("text")
     streaming: bool = key(True, BOOL)
     max_documents: int | None = key(None, SOME)
 
@@ -183,7 +184,7 @@ class Trainer:
     gradient_clip_val: float | None = key(1.0, Rule(float, 0, allow=(None,)))
     accumulate_grad_batches: int = key(1, POSITIVE)
     deterministic: bool | str = key(False, Rule(bool, allow=("warn",)))
-    benchmark: bool = key(False, BOOL)
+    benchmark: bool | None = key(False, Rule(bool, allow=(None,)))
     profiler: Any = key(None)  # a Lightning profiler or its name (debug=profiler)
 
 
@@ -228,10 +229,10 @@ class DownstreamEval:
 class WandbLogger:
     conf: ClassVar[str] = "logger/wandb.yaml:logger.wandb"
 
-    project: str = key("parallama", Rule(str))
-    entity: str | None = key(None, Rule(str, allow=(None,)))
+    project: str = key("parallama")
+    entity: str | None = key(None)
     group: str = key("${task_name}")
-    name: str | None = key(None, Rule(str, allow=(None,)))
+    name: str | None = key(None)
     tags: list = key("${tags}")
     id: str | None = key(None)
     save_dir: str = key("${paths.output_dir}")

@@ -1,6 +1,6 @@
-"""config/schema.py states each key's type, valid values and default once: each class mirrors one conf file, so a
-key renamed or added in the file without its field (which the old string-keyed table skipped silently), or a
-default changed in one place only, fails here."""
+"""config/schema.py states each key's type, valid values and default once (and each tool its own keys, next to it):
+each class mirrors one conf file, so a key renamed or added in the file without its field (which the old
+string-keyed table skipped silently), or a default changed in one place only, fails here."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ import pytest
 from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
-from parallama.config.schema import SCHEMA, ModelParallel, rules, train_rules
+from parallama.cli.ckpt import Convert
+from parallama.cli.evaluate import Evaluate
+from parallama.cli.generate import Generate
+from parallama.cli.plan import Plan
+from parallama.cli.prepare import Prepare
+from parallama.config.rules import rules
+from parallama.config.schema import SCHEMA, ModelParallel, train_rules
 
-CLASSES = sorted(
-    {
-        cls
-        for schema in SCHEMA.values()
-        for cls in (schema.values() if isinstance(schema, dict) else [schema])
-    },
-    key=lambda cls: cls.__name__,
-)
+TOOLS = [Convert, Evaluate, Generate, Plan, Prepare]  # each tool's own keys, declared next to it
+TRAIN = {
+    cls for schema in SCHEMA.values() for cls in (schema.values() if isinstance(schema, dict) else [schema])
+}
+CLASSES = sorted(TRAIN, key=lambda cls: cls.__name__) + TOOLS
 
 
 def conf_node(conf: str) -> dict:

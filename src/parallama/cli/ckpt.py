@@ -3,19 +3,38 @@ checkpoint in another format (checkpoint/convert.py). A Hydra app (conf/ckpt.yam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.rules import Rule, check_values, show
+from parallama.config.rules import Rule, check_keys, key, show
 from parallama.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")  # as the Trainer names them
 DEEPSPEED_ONLY = ("devices", "stage", "offload", "precision")
 
 
+@dataclass
+class Convert:
+    """The tool's keys, their defaults and the valid values of those that hold for every format (config/rules.py
+    `key`); what only format=deepspeed takes is checked below."""
+
+    conf: ClassVar[str] = "ckpt.yaml"
+
+    src: str = key("???")
+    out: str = key("???")
+    format: str = key("file", Rule(str, choices=("file", "dcp", "deepspeed")))
+    devices: int = key(1)
+    stage: int = key(2)
+    offload: bool = key(False, Rule(bool))
+    precision: str = key("32-true")
+
+
 def check(cfg: DictConfig, hardware: bool = True) -> None:
-    check_values(cfg, {"format": Rule(str, choices=("file", "dcp", "deepspeed")), "offload": Rule(bool)})
+    check_keys(cfg, Convert)
     if cfg.format != "deepspeed":
         defaults = OmegaConf.load(CONF_DIR / "ckpt.yaml")
         if given := [key for key in DEEPSPEED_ONLY if cfg[key] != defaults[key]]:

@@ -17,14 +17,16 @@ import hashlib
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.rules import Rule, check_values
+from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
 
 DATA_CONF = CONF_DIR / "data"
@@ -189,16 +191,30 @@ def source_alias(argv: list[str]) -> list[str]:
     return args
 
 
-RULES = {
-    "split": Rule(str, choices=("val", "train")),
-    "max_batches": Rule(int, 1, allow=(None,)),
-    "limit": Rule(float, 0, open="low", allow=(None,)),
-    "batch_size": Rule(int, 1),
-}
+@dataclass
+class Evaluate:
+    """The tool's own keys (beside the data, tokenizer, trainer and paths groups it shares with training), their
+    defaults and valid values (config/rules.py `key`)."""
+
+    conf: ClassVar[str] = "eval.yaml"
+
+    task_name: str = key("eval")
+    seed: int = key(42, Rule(int, 0))
+    ckpt_path: str | None = key(None)
+    model_dir: str | None = key(None)
+    split: str = key("val", Rule(str, choices=("val", "train")))
+    max_batches: int | None = key(None, Rule(int, 1, allow=(None,)))
+    json: bool = key(False, Rule(bool))
+    device: str | None = key(None)
+    tasks: list = key([])
+    task_dirs: list = key([])
+    limit: int | float | None = key(None, Rule(float, 0, open="low", allow=(None,)))
+    batch_size: int = key(16, Rule(int, 1))
+    out: str | None = key(None)
 
 
 def check(cfg: DictConfig, hardware: bool = True) -> None:
-    check_values(cfg, RULES)
+    check_keys(cfg, Evaluate)
     if cfg.ckpt_path is None and cfg.model_dir is None:
         raise ConfigError(
             "ckpt_path is required but not set: add ckpt_path=... (or model_dir=<exported folder> with tasks=[...])"

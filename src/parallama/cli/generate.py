@@ -4,24 +4,35 @@ temperature=0 is greedy, hence deterministic. A Hydra app (conf/generate.yaml)."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.rules import Rule, check_values
+from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
 
-RULES = {
-    "max_new_tokens": Rule(int, 0),
-    "temperature": Rule(float, 0),
-    "top_k": Rule(int, 1, allow=(None,)),
-    "top_p": Rule(float, 0, 1, open="low", allow=(None,)),
-    "seed": Rule(int, 0),
-    "prompt": Rule(str),
-}
+
+@dataclass
+class Generate:
+    """The tool's keys, their defaults and valid values (config/rules.py `key`)."""
+
+    conf: ClassVar[str] = "generate.yaml"
+
+    ckpt_path: str | None = key(None)
+    model_dir: str | None = key(None)
+    prompt: str = key("The ", Rule(str))
+    max_new_tokens: int = key(100, Rule(int, 0))
+    temperature: float = key(0.8, Rule(float, 0))
+    top_k: int | None = key(40, Rule(int, 1, allow=(None,)))
+    top_p: float | None = key(None, Rule(float, 0, 1, open="low", allow=(None,)))
+    seed: int = key(42, Rule(int, 0))
+    device: str | None = key(None)
 
 
 def check(cfg: DictConfig, hardware: bool = True) -> None:
-    check_values(cfg, RULES)
+    check_keys(cfg, Generate)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=<checkpoint> or model_dir=<Hugging Face folder>")
 

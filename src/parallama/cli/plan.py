@@ -4,14 +4,15 @@ model is parallel/plan.py)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from omegaconf import DictConfig
 
 from parallama.cli import app
 from parallama.config.compose import compose_tool
-from parallama.config.rules import Rule, check_values
+from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node
@@ -222,8 +223,19 @@ def show(result: dict) -> None:
     console.print(rec["command"], markup=False, highlight=False, soft_wrap=True)
 
 
+@dataclass
+class Plan:
+    """The tool's own keys (the rest is the training config), their defaults and valid values (config/rules.py
+    `key`)."""
+
+    conf: ClassVar[str] = "plan.yaml"
+
+    gpu_memory_gb: float = key(80, Rule(float, 0, open="low"))
+    json: bool = key(False, Rule(bool))
+
+
 def check(cfg: DictConfig, hardware: bool = True) -> None:
-    check_values(cfg, {"gpu_memory_gb": Rule(float, 0, open="low"), "json": Rule(bool)})
+    check_keys(cfg, Plan)
     devices = cfg.trainer.devices
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ConfigError(

@@ -16,31 +16,40 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ClassVar
 
 import hydra
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.rules import Rule, check_values
+from parallama.config.rules import Rule, check_keys, check_values, key
 from parallama.config.schema import train_rules
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
 
 log = logging.getLogger("parallama")
-RULES = {
-    **train_rules("seed", "data.", "tokenizer."),
-    "prepare.num_proc": Rule(int, 1, allow=(None,)),
-    "prepare.num_nodes": Rule(int, 1),
-    "prepare.node_rank": Rule(int, 0),
-    "prepare.step": Rule(str, choices=("tokenizer", *STEPS)),
-    "prepare.part_chars": Rule(int, 1),
-    "prepare.shard_tokens": Rule(int, 1),
-}
+
+
+@dataclass
+class Prepare:
+    """The tool's own keys (`prepare.*`; the rest is the training config), their defaults and valid values
+    (config/rules.py `key`)."""
+
+    conf: ClassVar[str] = "prepare.yaml:prepare"
+
+    num_proc: int | None = key(None, Rule(int, 1, allow=(None,)))
+    num_nodes: int = key(1, Rule(int, 1))
+    node_rank: int = key(0, Rule(int, 0))
+    step: str = key("all", Rule(str, choices=("tokenizer", *STEPS)))
+    part_chars: int = key(4000000, Rule(int, 1))
+    shard_tokens: int = key(100000000, Rule(int, 1))
 
 
 def check(cfg: DictConfig, hardware: bool = True) -> None:
     """The values `prepare` uses, each in one line naming the key (nothing else of the training config matters)."""
-    check_values(cfg, RULES)
+    check_values(cfg, train_rules("seed", "data.", "tokenizer."))
+    check_keys(cfg, Prepare, "prepare")
     p = cfg.prepare
     if p.node_rank >= p.num_nodes:
         raise ConfigError(

@@ -1,10 +1,12 @@
-"""What one key accepts (`Rule`: a kind, a range, choices; `Check`: any test, described) and the one line that
-says a value is not that. The training config's keys and their rules are in `schema`; the tools (parallama-
-prepare, -generate, -eval, -plan, -ckpt) state their few keys' rules with these too."""
+"""What one key accepts (`Rule`: a kind, a range, choices; `Check`: any test, described), a config key as a
+dataclass field beside its default (`key`), and the one line that says a value is not valid. The training
+config's keys are in `schema`; each other tool (parallama-prepare, -generate, -eval, -plan, -ckpt) declares its
+own few keys in a dataclass of the same kind next to it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -65,9 +67,27 @@ class Check(Rule):
         return self.description
 
 
-def check_values(cfg: DictConfig, rules: dict[str, Rule]) -> None:
-    """Each key of `rules` (dotted) that the config has against its rule, in one line naming the first bad one."""
-    for dotted, rule in rules.items():
+def key(default, rule: Rule | None = None):
+    """A field: its default (the conf file's value) and what it accepts (None: anything, e.g. a path, a name,
+    what a library reads as it likes: Hydra hands `name=2026` over as an int)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
+def rules(schema: type) -> dict[str, Rule]:
+    """A class's keys and their rules (the keys that have one)."""
+    return {f.name: f.metadata["rule"] for f in fields(schema) if f.metadata.get("rule") is not None}
+
+
+def check_keys(cfg: DictConfig, schema: type, path: str = "") -> None:
+    """The keys of `schema` (a dataclass of `key` fields) that the config node at `path` has, by their rules."""
+    check_values(cfg, {f"{path}.{name}" if path else name: rule for name, rule in rules(schema).items()})
+
+
+def check_values(cfg: DictConfig, by_key: dict[str, Rule]) -> None:
+    """Each key of `by_key` (dotted) that the config has against its rule, in one line naming the first bad one."""
+    for dotted, rule in by_key.items():
         parent, _, leaf = dotted.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
         if isinstance(node, DictConfig) and leaf in node:

@@ -13,22 +13,14 @@ fields are checked by its family's config class; the optimizer, schedule and los
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from parallama.config.rules import Check, Rule, check_value
+from parallama.config.rules import Check, Rule, check_value, key, rules
 from parallama.parallel.options import AC_MODES, AC_POLICIES, FLOAT8_RECIPES
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-
-
-def key(default, rule: Rule | None = None):
-    """A field: its default (the conf file's value) and what it accepts (None: anything, e.g. a path, a name,
-    what a library reads as it likes: Hydra hands `name=2026` over as an int)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"rule": rule})
-    return field(default=default, metadata={"rule": rule})
 
 
 def _devices(value) -> bool:
@@ -322,11 +314,6 @@ SCHEMA: dict[str, type | dict[str, type]] = {
         f"{STRATEGIES}model_parallel.ModelParallel": ModelParallel,
     },
 }
-
-
-def rules(schema: type) -> dict[str, Rule]:
-    """A class's keys and their rules (the keys that have one)."""
-    return {f.name: f.metadata["rule"] for f in fields(schema) if f.metadata.get("rule") is not None}
 
 
 def train_rules(*prefixes: str) -> dict[str, Rule]:

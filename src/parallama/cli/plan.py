@@ -203,7 +203,7 @@ def show(result: dict) -> None:
     from rich.console import Console
     from rich.table import Column, Table
 
-    console, ckpt = Console(width=max(Console().width, 120)), result["activation_checkpointing"]
+    console, ckpt = Console(width=max(Console().width, 150)), result["activation_checkpointing"]
     more = [k for k, c in (("selective", "selective"), ("checkpointing", True)) if c != ckpt]
     columns = ["params", "grads", "optim", "gathered", "activations", "total", "fits"]
     for k in more:

@@ -121,22 +121,36 @@ class TokenThroughputMonitor(Callback):
 
 
 class LearningRates(Callback):
-    """The learning rate of each parameter group after N optimizer steps (what step N+1 uses), in the row of step
-    N, on logging steps: `lr-<name>/pg<i>` as Lightning's LearningRateMonitor names them (the scheduler's name,
-    else `lr-<optimizer class>`; a group's `name` replaces `pg<i>`). Python numbers: nothing is read from the
-    device. Lightning's monitor writes them one row earlier (its own count of steps)."""
+    """The learning rate each parameter group used in optimizer step N, in the row of step N (with that step's
+    loss), on logging steps: `lr-<name>/pg<i>` as Lightning's LearningRateMonitor names them (the scheduler's name,
+    else `lr-<optimizer class>`; a group's `name` replaces `pg<i>`). Read when the step starts, before the
+    scheduler moves on; Python numbers: nothing is read from the device. Lightning's monitor writes the same rate
+    one row earlier (its own count of steps)."""
+
+    def __init__(self) -> None:
+        self._rates: dict[str, float] | None = None
+        self._step = -1  # optimizer steps taken when the batch started
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._step = trainer.global_step
+        if trainer.loggers and self._rates is None and syncs.logging_step(trainer, trainer.global_step + 1):
+            self._rates = self.rates(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if not trainer.loggers or not syncs.logging_step(trainer, trainer.global_step):
+        if self._rates is None or trainer.global_step == self._step:  # nothing to log, or still accumulating
             return
-        rates = {}
+        for logger in trainer.loggers:
+            logger.log_metrics(self._rates, step=trainer.global_step)
+        self._rates = None
+
+    @staticmethod
+    def rates(trainer) -> dict[str, float]:
+        found = {}
         for config in trainer.lr_scheduler_configs:
             optimizer = config.scheduler.optimizer
             name = config.name or f"lr-{type(optimizer).__name__}"
             groups = optimizer.param_groups
             for i, group in enumerate(groups):
                 label = group.get("name", f"pg{i + 1}" if len(groups) > 1 else None)
-                key = f"{name}/{label}" if label else name
-                rates[key] = float(group["lr"])
-        for logger in trainer.loggers:
-            logger.log_metrics(rates, step=trainer.global_step)
+                found[f"{name}/{label}" if label else name] = float(group["lr"])
+        return found

@@ -5,8 +5,9 @@ Arms, in the order they run (the most telling first; a time budget, `--budget-s`
 - `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`), then one lever at a
   time on top of `compile=true`: `float8=tensorwise|rowwise`, `activation_checkpointing=selective|full`,
   `optimizer=muon`, `loss.impl=fused` (skipped where conf/loss has no `impl`), `callbacks=none` (what the default
-  callbacks cost), and the levers together (`best`). Validation, the sample and the checkpoint callbacks are off
-  (they act outside the timed steps); the embedded corpus, byte tokenizer, the preset's vocabulary.
+  callbacks cost), and the levers together (`best`: without the fused loss where conf/loss lacks it).
+  Validation, the sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded
+  corpus, byte tokenizer, the preset's vocabulary.
   Timed by `Clock` (added as a callback): tokens/s from step `--warmup` to the last (`--steps` later), with one
   synchronize at each end, and the peak allocated memory.
 - the bare loop (bench/gpu.py's `measure`: the parallama model in plain PyTorch, random tokens), eager and
@@ -35,7 +36,7 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from bench.common import ROOT, machine, print_machine, save
+from bench.common import ROOT, free_port, machine, print_machine, save
 
 MODELS = {"llama3_2_1b": (2048, 4), "llama_180m": (512, 16)}  # seq_len, micro-batch (bench/gpu.py's presets)
 BASE = ["compile=true"]
@@ -203,11 +204,17 @@ def run_arm(model: str, name: str, what, args, tmp: Path, timeout: float) -> dic
             }
         seq_len, batch = shape(model)
         arm = {"flavor": "1B", "seq_len": seq_len, "batch": batch, **what}
-        arm.update(warmup=args.warmup, steps=args.steps, repeats=1)
+        arm.update(warmup=args.warmup, steps=args.steps, repeats=1, port=free_port())
         return child(["bench.titan", json.dumps(arm)], timeout)
+    note = {}
     if any("loss.impl" in o for o in what) and not has_loss_impl():
-        return {"skipped": "conf/loss/cross_entropy.yaml has no `impl` key on this branch"}
-    return train_arm(model, what, args, tmp, name.replace("=", "-").replace(" ", "_"), timeout)
+        if name != "best":
+            return {"skipped": "conf/loss/cross_entropy.yaml has no `impl` key on this branch"}
+        what, note = (
+            [o for o in what if "loss.impl" not in o],
+            {"note": "without loss.impl (not on this branch)"},
+        )
+    return {**train_arm(model, what, args, tmp, name.replace("=", "-").replace(" ", "_"), timeout), **note}
 
 
 def summarize(results: dict, peak_flops: float | None) -> dict:

@@ -1,8 +1,9 @@
-"""torchtitan 0.3's Llama 3 on one GPU, for `python -m bench train-gpu`: its model (flavor "1B", Llama-3.2-1B's shape,
-as parallama's `model=llama3_2_1b`) built and parallelized by torchtitan's own `parallelize_llama` (compile per
-block, its selective or full activation checkpointing, float8 through its converter, FSDP2's mixed precision at
-degree 1), its chunked loss (`ChunkedLossWrapper`, its configs' default), fused AdamW, timed in the same loop as
-the bare parallama model (bench/gpu.py's windows). Run as its own process (`python -m bench.titan <json>`):
+"""torchtitan 0.3's Llama 3 on one GPU, for `python -m bench train-gpu`: its model (flavor "1B", Llama-3.2-1B's
+shape, as parallama's `model=llama3_2_1b`) built and parallelized by torchtitan's own `parallelize_llama` (compile
+per block, its selective or full activation checkpointing, rowwise float8 through its converter (0.3 has no
+tensorwise recipe), FSDP2's mixed precision at degree 1), with its defaults: FlexAttention (the mask built per step
+from the positions, as its Trainer does), its chunked loss (`ChunkedLossWrapper`); fused AdamW; timed in the same
+loop as the bare parallama model (bench/gpu.py's windows). Run as its own process (`python -m bench.titan <json>`):
 torchtitan needs a process group, and the GPU's memory is then the arm's alone.
 
 torchtitan is no dependency of parallama: bench/gpu_wheels.sh downloads its pure wheels, bench/gpu_run.sh installs

@@ -1,5 +1,5 @@
-"""parallama-plan's memory terms of the speed levers, one test each: Muon's optimizer state, the fused loss, selective
-activation checkpointing (recommended where it fits) and float8's gathered weights; on fixed strategies, on N-D
+"""parallama-plan's memory terms of the speed levers, one test each: Muon's optimizer state, the fused loss,
+selective activation checkpointing (recommended where it fits) and float8's gathered weights; on fixed strategies, on N-D
 layouts and through the CLI's config keys."""
 
 import pytest

@@ -65,15 +65,13 @@ class TokenThroughputMonitor(Callback):
             return
         self._count(self._counts, batch)
         step = trainer.global_step
-        if step == self._read_step or not syncs.reads_now(
-            trainer, step
-        ):  # accumulating, or not a reading step
+        # not while accumulating (no new optimizer step), and on a GPU on logging steps only
+        if step == self._read_step or not syncs.reads_now(trainer, step):
             return
         syncs.wait_for_device(trainer)
         batches, samples, tokens = self._counts
-        flops = pl_module.flops_per_batch * (
-            batches - self._read_batches
-        )  # since the last update, as it asks
+        new_batches = batches - self._read_batches  # Throughput takes the FLOPs since its last update
+        flops = pl_module.flops_per_batch * new_batches
         self._read_step, self._read_batches = step, batches
         self._stages["train"].update(
             time=time.perf_counter() - self._t0, batches=batches, samples=samples, lengths=tokens, flops=flops

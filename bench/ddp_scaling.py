@@ -98,7 +98,7 @@ def parallama(args, world: int) -> float:
             "+trainer.enable_progress_bar=false",
             "+trainer.enable_model_summary=false",
             "callbacks=none",  # no checkpoint writes in the timed steps; the throughput monitor as users run it
-            "+callbacks.throughput._target_=parallama.training.callbacks.TokenThroughputMonitor",
+            "+callbacks.throughput._target_=parallama.training.monitors.TokenThroughputMonitor",
             "+callbacks.clock._target_=bench.ddp_scaling.StepClock",
             f"+callbacks.clock.path={clock_file}",
             f"+callbacks.clock.warmup={args.warmup}",

@@ -111,8 +111,8 @@ def lightning(cfg: dict, init: dict, dm, args, device: torch.device, defaults: b
     from lightning.pytorch.loggers import CSVLogger
     from omegaconf import OmegaConf
 
-    from parallama.training.callbacks import TokenThroughputMonitor
     from parallama.training.module import CausalLM
+    from parallama.training.monitors import TokenThroughputMonitor
 
     class Timer(L.Callback):
         def __init__(self):

@@ -202,6 +202,18 @@ def test_ddp_sigterm_to_the_group_stops_every_rank_and_resumes_bitwise(tmp_path,
         assert torch.equal(final[name], tensor), name  # bitwise: the stop lost and repeated nothing
 
 
+def test_ranks_agreeing_every_n_steps_stop_together_at_such_a_step(tmp_path, data_cache):
+    """As on GPUs, where the ranks agree on a signal on logging steps only (no wait for the GPU in between): a
+    signal to one rank stops both at the same step, the next multiple of N."""
+    every = "callbacks.preemption.every_n_steps=4"
+    code, child_code, _, out, run = stop_run(
+        tmp_path, data_cache, "ddp", "rank1", signal.SIGTERM, every, LONG_RUN
+    )
+    stopped_at = assert_stopped_cleanly(code, out, run, "SIGTERM")
+    assert child_code == 0 and f"stopped by SIGTERM at step {stopped_at}" in rank1_log(run)
+    assert stopped_at % 4 == 0, out[-3000:]
+
+
 def test_fsdp_sigterm_to_rank_0_stops_every_rank(tmp_path, data_cache):
     code, child_code, _, out, run = stop_run(tmp_path, data_cache, "fsdp", "rank0", signal.SIGTERM, LONG_RUN)
     assert_stopped_cleanly(code, out, run, "SIGTERM")

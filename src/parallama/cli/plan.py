@@ -26,6 +26,7 @@ from parallama.parallel.plan import (
     OVERHEAD_GIB,
     MemoryProfile,
     estimate,
+    optimizer_of,
     profiles,
     recommend,
 )
@@ -56,32 +57,42 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         )
         notes.append(f"strategy.mixed_precision={cfg.strategy.mixed_precision}: planning 16-bit activations")
     # The run's activation checkpointing: False (none), True (full) or "selective" (its policy: `ac`); the
-    # recommendation is searched among none and full.
+    # recommendation is searched among the run's, selective (per-op unless the run names a policy) and full.
     policy = cfg.get("activation_checkpointing_policy") or {}
     ac = ACOptions.of(cfg.activation_checkpointing)
     if ac.mode == "selective":
         ac = ACOptions("selective", policy.get("mode", "op"), policy.get("every_n", 2))
     ckpt = {"none": False, "full": True}.get(ac.mode, "selective")
     if ckpt == "selective":
-        notes.append(
-            f"activation_checkpointing=selective ({ac.policy}): the table's estimates; the recommendation is "
-            "searched among none and full"
-        )
-
-    float8 = cfg.get(
-        "float8"
-    )  # tensorwise: FSDP2 gathers the blocks' weights in float8 (plan.float8_gathered)
+        notes.append(f"activation_checkpointing=selective ({ac.policy}): the table's estimates")
+    selective = ac if ckpt == "selective" else ACOptions("selective")
+    levels = sorted({ckpt, "selective", True}, key=[False, "selective", True].index)  # least recompute first
 
     def how(c):
-        return ac if c == "selective" else c
+        return selective if c == "selective" else c
+
+    terms = dict(
+        float8=cfg.get("float8"),  # tensorwise: FSDP2 gathers the blocks' weights in float8 (float8_gathered)
+        optimizer=optimizer_of(cfg.optimizer.get("_target_", "")),  # muon: one buffer (optimizer_state_bytes)
+        loss_impl=OmegaConf.select(cfg, "loss.impl", default="plain"),  # fused: no logits kept (loss_bytes)
+    )
+    if terms["optimizer"] == "muon":
+        notes.append("optimizer=muon: one momentum buffer for the blocks' matrices, AdamW's two for the rest")
+    if terms["loss_impl"] == "fused":
+        notes.append("loss.impl=fused: no logits or their gradient over the whole batch, one chunk at a time")
 
     nodes, per_node = cfg.trainer.num_nodes, processes_per_node(cfg.trainer.devices)
     shape = dict(world_size=nodes * per_node, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
     plans = {
         c: estimate(
-            config, precision=precision, activation_checkpointing=how(c), strategies=strategies, **shape
+            config,
+            precision=precision,
+            activation_checkpointing=how(c),
+            strategies=strategies,
+            **shape,
+            **terms,
         )
-        for c in {ckpt, True}
+        for c in levels
     }
     # N-D profiles: the first layout that fits (or none), and the layout the config asks for, if it is one
     layouts, searched = {}, {}
@@ -94,13 +105,13 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             **mesh,
             precision=precision,
             gpu_memory_gb=gpu_memory_gb,
-            checkpointing=(how(ckpt), True),
-            float8=float8,
+            checkpointing=tuple(how(c) for c in levels),
+            **terms,
         )
         if layout is None:
             notes.append(f"{name}: no layout of {nodes} x {per_node} GPUs fits")
             continue
-        layouts[name], searched[name] = layout, ckpt if with_ckpt is ac else with_ckpt
+        layouts[name], searched[name] = layout, next(c for c in levels if how(c) is with_ckpt)
     if cfg.strategy.get("_target_", "").endswith(".ModelParallel"):
         layouts["model_parallel (as configured)"] = configured_layout(cfg)
     for name, layout in layouts.items():
@@ -112,7 +123,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
                 micro_batch=shape["micro_batch"],
                 precision=precision,
                 activation_checkpointing=how(c),
-                float8=float8,
+                **terms,
             )
     rows = {
         c: {k: {**asdict(e), "total": e.total, "fits": e.fits(gpu_memory_gb)} for k, e in p.items()}
@@ -122,9 +133,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         for name, layout in layouts.items():
             rows[c][name]["layout"] = layout.describe()
     result = dict(num_params=config.num_params(), **shape, precision=precision, gpu_memory_gb=gpu_memory_gb)
-    result.update(
-        activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt], estimates_checkpointing=rows[True]
-    )
+    result.update(activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt])
+    result.update(estimates_selective=rows["selective"], estimates_checkpointing=rows[True])
     result["recommendation"] = None
     if rec := recommend(plans, gpu_memory_gb, strategies, searched):
         name, with_ckpt, why = rec
@@ -168,7 +178,7 @@ def command(
     planned = ["strategy=auto"] if one_device else planned or profile.overrides.split()
     if profile.engine == "fsdp" and precision in MIXED:
         planned += ["strategy.mixed_precision=bf16", "trainer.precision=32-true"]  # FSDP's own, not autocast
-    planned += ["activation_checkpointing=true"] if ckpt else []
+    planned += [f"activation_checkpointing={'selective' if ckpt == 'selective' else 'true'}"] if ckpt else []
     ours = {_key(o) for o in planned} | {"activation_checkpointing"}
     kept = [o for o in overrides if _key(o) not in ours and _key(o).split(".")[0] != "strategy"]
     return " ".join(["parallama-train", *kept, *planned])
@@ -194,15 +204,17 @@ def show(result: dict) -> None:
     from rich.console import Console
     from rich.table import Column, Table
 
-    console, ckpt = Console(width=max(Console().width, 120)), result["activation_checkpointing"]
+    console, ckpt = Console(width=max(Console().width, 150)), result["activation_checkpointing"]
+    more = [k for k, c in (("selective", "selective"), ("checkpointing", True)) if c != ckpt]
     columns = ["params", "grads", "optim", "gathered", "activations", "total", "fits"]
-    columns += [] if ckpt is True else ["total w/ ckpt", "fits"]
+    for k in more:
+        columns += ["total w/ " + ("sel. ckpt" if k == "selective" else "ckpt"), "fits"]
     title = f"Per-GPU memory (GiB), {result['num_params'] / 1e9:.3g} B parameters"
     table = Table("strategy", *(Column(c, justify="right") for c in columns), title=title)
     for name, e in result["estimates"].items():
         label = f"{name}\n  {e['layout']}" if "layout" in e else name
         cells = [f"{e[k] / GIB:.1f}" for k in ("params", "grads", "optim", "gathered", "activations")]
-        for r in [e] if ckpt is True else [e, result["estimates_checkpointing"][name]]:
+        for r in [e, *(result[f"estimates_{k}"][name] for k in more)]:
             cells += [f"{r['total'] / GIB:.1f}", "yes" if r["fits"] else "no"]
         table.add_row(label, *cells)
     console.print(table)

@@ -93,15 +93,19 @@ def estimate_layout(
     precision: str,
     activation_checkpointing,
     float8: str | None = None,
+    optimizer: str = "adamw",
+    loss_impl: str = "plain",
 ) -> Estimate:
-    """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step)."""
+    """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step); `optimizer`
+    and `loss_impl` as in `plan.estimate`."""
     dims = layout.dims
     per = state_bytes(precision, "fsdp")
     psi = stage_params(c, dims)
     shard = dims.dp_shard * dims.cp
-    params, grads, optim = (-(-psi * b // shard) for b in per[:3])
     matmuls, norms = _block(c, dims.tp)
     layers = math.ceil(c.num_hidden_layers / dims.pp)
+    muon = layers * matmuls * 4 if optimizer == "muon" else 0  # plan.optimizer_state_bytes
+    params, grads, optim = (-(-(psi * b - (muon if k == 2 else 0)) // shard) for k, b in enumerate(per[:3]))
     # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working"); a
     # zero-bubble schedule keeps the whole stage gathered from forward to backward
     gathered_layers = layers if layout.pp_schedule in ZERO_BUBBLE and dims.pp > 1 else min(2, layers)
@@ -112,7 +116,7 @@ def estimate_layout(
         gathered -= gathered_layers * matmuls * ((per[3] or per[0]) - 1)
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
-    kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel)
+    kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel, loss_impl=loss_impl)
     stage = replace(c, num_hidden_layers=layers)
     blocks = activation_bytes(stage, tokens, e, e, activation_checkpointing, head=False, **kwargs)
     head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
@@ -172,10 +176,13 @@ def search(
     gpu_memory_gb: float,
     checkpointing: tuple[bool, ...] = (False, True),
     float8: str | None = None,
+    optimizer: str = "adamw",
+    loss_impl: str = "plain",
 ) -> tuple[Layout, bool, dict[bool, Estimate]] | tuple[None, None, dict]:
     """The first layout (and activation checkpointing, off before on) that fits, with its estimates for each
     `checkpointing`; else (None, None, {}) and nothing fits."""
     shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, float8=float8)
+    shape.update(optimizer=optimizer, loss_impl=loss_impl)
     for layout in candidates(
         c, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len, micro_batch=micro_batch
     ):

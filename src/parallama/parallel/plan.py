@@ -126,6 +126,7 @@ def activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     head: bool = True,
+    loss_impl: str = "plain",
 ) -> int:
     """Saved activations of one micro-batch of `tokens` tokens; e / e_res: bytes of a compute / residual element.
 
@@ -142,7 +143,7 @@ def activation_bytes(
     `residual + 2 h e + (attention_activations + 2 i) e / tp` per layer (no norm outputs, no silu(gate) and
     product: 1 residual + 2i / tp less than none), plus one block recomputing those (2 h e + 2 i e / tp).
     Selective every_n: `L // n` blocks as full (their input), the others as none, plus one block recomputing.
-    The loss adds the logits (compute dtype), their fp32 copy and the fp32 log-softmax: vocab per token.
+    The loss adds what `loss_bytes` says (`loss_impl`: the plain loss's logits, none for the fused one).
 
     Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
     (rotated q, k, v, attention output, the MLP's 4i) and the vocab-parallel logits; sequence parallel also
@@ -152,7 +153,7 @@ def activation_bytes(
     from parallama.parallel.options import ACOptions
 
     ac = ACOptions.of(checkpointing)
-    h, i, v, n = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    h, i, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     residual = h * e_res // (tp if sequence_parallel else 1)
     block = 2 * residual + 2 * h * e + (c.attention_activations() + 4 * i) * e // tp
     if ac.mode == "none":
@@ -165,8 +166,35 @@ def activation_bytes(
     else:  # every_n
         full = n // ac.every_n
         layers = full * residual + (n - full) * block + (block if full else 0)
-    logits = v // tp * (e + 4 + (4 if e != 4 else 0))
-    return tokens * (layers + (residual + h * e + logits if head else 0))
+    return tokens * (layers + (residual + h * e + loss_bytes(c, e, tp, loss_impl) if head else 0))
+
+
+def loss_bytes(c, e: int, tp: int = 1, loss_impl: str = "plain") -> int:
+    """Per token, what the loss keeps for backward beyond the head's input. Plain (`loss.impl=plain`): the logits
+    (compute dtype), their fp32 copy and the fp32 log-softmax, vocab-parallel under tensor parallel; their
+    gradient of the same size replaces them during backward. Fused (`loss.impl=fused`, the head's matmul and the
+    cross-entropy in chunks): no logits are kept, only the per-token log-sum-exp (ignored, as attention's), and
+    the chunk in flight (a bounded working set, not per token)."""
+    if loss_impl == "fused":
+        return 0
+    return c.vocab_size // tp * (e + 4 + (4 if e != 4 else 0))
+
+
+def optimizer_state_bytes(c, per_param: int, optimizer: str = "adamw") -> int:
+    """The optimizer state of the whole model, unsharded; `per_param`: AdamW's bytes per parameter
+    (`state_bytes`). `optimizer=muon` (training/muon.py): Muon keeps one fp32 momentum buffer for the blocks'
+    matrices (4 bytes fewer than AdamW's two moments), AdamW the rest (embeddings, head, norms)."""
+    total = c.num_params() * per_param
+    if optimizer != "muon":
+        return total
+    matmuls, _ = c.block_params()
+    return total - c.num_hidden_layers * matmuls * 4
+
+
+def optimizer_of(target: str) -> str:
+    """`muon` for conf/optimizer/muon.yaml's class (or a subclass named so), else `adamw`: what the plan
+    counts."""
+    return "muon" if "muon" in target.rsplit(".", 1)[-1].lower() else "adamw"
 
 
 def float8_gathered(c, how: str, e: int, float8: str | None, blocks: int | None = None) -> int:
@@ -200,18 +228,22 @@ def estimate(
     activation_checkpointing,
     strategies: dict[str, MemoryProfile] | None = None,
     float8: str | None = None,
+    optimizer: str = "adamw",
+    loss_impl: str = "plain",
 ) -> dict[str, Estimate]:
     """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the
-    accounting; those with `layouts` are searched by parallel/layouts.py). `float8`: see `float8_gathered`."""
+    accounting; those with `layouts` are searched by parallel/layouts.py). `float8`: see `float8_gathered`;
+    `optimizer`: `optimizer_state_bytes`; `loss_impl`: `loss_bytes`."""
     n, psi = world_size, config.num_params()
     out = {}
     for name, s in (strategies or profiles()).items():
         if s.layouts:
             continue
         per = state_bytes(precision, s.engine)
+        totals = psi * per[0], psi * per[1], optimizer_state_bytes(config, per[2], optimizer)
         states = [
-            0 if k in s.offload else -(-psi * b // n) if k in s.shard else psi * b
-            for b, k in zip(per[:3], "pgo", strict=True)
+            0 if k in s.offload else -(-total // n) if k in s.shard else total
+            for total, k in zip(totals, "pgo", strict=True)
         ]
         if s.gathered == "none":
             gathered = psi * per[3]  # autocast's bf16 copies (0 in fp32 and for DeepSpeed)
@@ -221,7 +253,9 @@ def estimate(
                 gathered -= float8_gathered(config, s.gathered, per[3] or per[0], float8)
         e = 4 if precision in FP32 else 2
         e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
-        acts = activation_bytes(config, seq_len * micro_batch, e, e_res, activation_checkpointing)
+        acts = activation_bytes(
+            config, seq_len * micro_batch, e, e_res, activation_checkpointing, loss_impl=loss_impl
+        )
         out[name] = Estimate(*states, gathered=gathered, activations=acts)
     return out
 
@@ -244,10 +278,12 @@ def recommend(
     searched: dict[str, bool] | None = None,
 ) -> tuple[str, bool, str] | None:
     """First (strategy, activation_checkpointing, why) in the guide's order that fits; `plans` holds the
-    estimates without (unless the user asked for it) and with activation checkpointing. The searched N-D
-    profiles (`searched`: name -> whether its layout needs checkpointing) come after every fixed one."""
-    steps = [(stage, c) for c in (False, True) for stage in GUIDE[:3]]
-    steps += [("model parallel", c) for c in (False, True)] + [("offload", False), ("offload", True)]
+    estimates without (unless the user asked for it), with selective (per-op: recomputes the cheap ops only, so
+    it is tried before full) and with full activation checkpointing (False, "selective", True). The searched
+    N-D profiles (`searched`: name -> its layout's checkpointing) come after every fixed one."""
+    ckpts = (False, "selective", True)
+    steps = [(stage, c) for c in ckpts for stage in GUIDE[:3]]
+    steps += [("model parallel", c) for c in ckpts] + [("offload", c) for c in ckpts]
     for stage, c in steps:
         for name in [n for n, p in strategies.items() if p.guide == stage]:
             if strategies[name].layouts:
@@ -255,10 +291,9 @@ def recommend(
             else:
                 fits = c in plans and plans[c][name].fits(gpu_memory_gb)
             if fits:
-                more = (
-                    "; activations were the problem: with activation checkpointing"
-                    if c and False in plans
-                    else ""
+                kind = (
+                    "selective activation checkpointing" if c == "selective" else "activation checkpointing"
                 )
+                more = f"; activations were the problem: with {kind}" if c and False in plans else ""
                 return name, c, WHY[stage] + more
     return None

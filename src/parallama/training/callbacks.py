@@ -11,43 +11,15 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 
-from parallama.parallel.base import data_parallel
 from parallama.runtime.faults import Preempted
+from parallama.training import syncs
 from parallama.training.module import ends_the_run
 
 log = logging.getLogger("parallama")
-
-
-class TokenThroughputMonitor(ThroughputMonitor):
-    """Lightning's ThroughputMonitor for token batches: logs tokens/s, and FLOP/s + MFU on known GPUs.
-
-    FLOPs per batch come from the model config (6N + attention, see `LlamaConfig.flops_per_token`). Lightning
-    counts every rank's batch as its own; ranks that share a batch (tensor, context or pipeline parallel ones)
-    each count their share of it (`ParallelDims.batch_share`), so the totals count data-parallel replicas.
-    """
-
-    def __init__(self, window_size: int = 50, **kwargs) -> None:
-        super().__init__(
-            batch_size_fn=self.samples_of, length_fn=self.tokens_of, window_size=window_size, **kwargs
-        )
-        self.share = 1.0
-
-    def samples_of(self, batch: dict) -> float:
-        return batch["input_ids"].size(0) * self.share
-
-    def tokens_of(self, batch: dict) -> float:
-        return batch["input_ids"].numel() * self.share
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self.share = data_parallel(trainer)[0] / trainer.world_size
-        data = trainer.datamodule
-        tokens = data.seq_len * data.batch_size
-        pl_module.flops_per_batch = pl_module.config.flops_per_token(data.seq_len) * tokens * self.share
 
 
 class AtLeastOneValBatch(Callback):
@@ -73,16 +45,15 @@ class StepNumbers(Callback):
     Lightning numbers the rows of `self.log` by its count of optimizer steps as it stood before the step that
     logged them (step 100's loss and the validation after it were row 99). Lightning takes a logged `step`
     metric as the row's step (LoggerConnector.log_metrics), so this logs the optimizer steps as `step`
-    wherever the module logs: after each training batch and at the end of each validation. Callbacks that call
-    the loggers themselves keep their own numbering: the LearningRateMonitor's `lr-*` rows (the rate after N
-    steps, which step N+1 uses) and the ThroughputMonitor's `train/device/*` and `validate/*` rows (Lightning's
-    count; renumbering them needs its private `_compute`, see runtime/compat.py's rule)."""
+    wherever the module logs: after each training batch and at the end of each validation. A CPU tensor: a
+    Python number would become a tensor on the GPU, which waits for it (training/syncs.py). The rows that
+    callbacks write themselves (training/monitors.py: tokens/s, learning rates) use the same numbering."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        pl_module.log("step", float(trainer.global_step))
+        pl_module.log("step", torch.tensor(float(trainer.global_step)))
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("step", float(trainer.global_step))
+        pl_module.log("step", torch.tensor(float(trainer.global_step)))
 
 
 class RichModelSummary(LightningRichModelSummary):
@@ -136,9 +107,12 @@ class PreemptionCheckpoint(Callback):
     """SIGTERM (a scheduler), SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C): finish the
     optimizer step, save `last.ckpt` on every rank and stop with status 0; `ckpt_path=last` resumes there.
 
-    The handler only records the signal. At each optimizer-step boundary the ranks agree on it with one
-    all_reduce (MAX), so a signal to any one rank stops all of them at the same step, and every rank takes
-    part in saving (DeepSpeed and FSDP checkpoints are collective). Then every rank raises `Preempted`: no
+    The handler only records the signal. Every `every_n_steps` optimizer steps the ranks agree on it with one
+    all_reduce (MAX) that each reads, so a signal to any one rank stops all of them at the same step, at most
+    `every_n_steps` steps later, and every rank takes part in saving (DeepSpeed and FSDP checkpoints are
+    collective). `every_n_steps: null`: every step on CPUs; on GPUs on the logging steps
+    (`trainer.log_every_n_steps`, 10 by default), which wait for the GPU anyway (training/syncs.py). One process
+    needs no agreement and stops at the next step. Then every rank raises `Preempted`: no
     validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
     handler is replaced once the loop starts (it broadcasts from inside the handler, which deadlocks ranks that
     are in another collective); from `setup` until Lightning registers its own, this one is in place. A SLURM
@@ -146,8 +120,9 @@ class PreemptionCheckpoint(Callback):
     not save: they must not overwrite good weights.
     """
 
-    def __init__(self, dirpath: str, filename: str = "last") -> None:
+    def __init__(self, dirpath: str, filename: str = "last", every_n_steps: int | None = None) -> None:
         self.path = str(Path(dirpath) / f"{filename}.ckpt")
+        self.every_n_steps = every_n_steps
         self.received = 0  # the signal number, once one came
         self._previous: dict[int, object] = {}
         self._sigterm_before_lightning = None
@@ -186,12 +161,18 @@ class PreemptionCheckpoint(Callback):
         self._checked_step = trainer.global_step
         signum = self.received
         if trainer.world_size > 1:  # one process needs no agreement (and no wait for the GPU)
+            if not self._agree_now(trainer):
+                return
             flag = torch.tensor([signum], device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
         if signum:
             trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
             name = signal.Signals(signum).name
             raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
+
+    def _agree_now(self, trainer) -> bool:
+        n = self.every_n_steps or (max(trainer.log_every_n_steps, 1) if syncs.device_waits(trainer) else 1)
+        return trainer.global_step % n == 0
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore()

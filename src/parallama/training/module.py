@@ -20,6 +20,7 @@ from parallama.models.contract import check_model
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.runtime import compat
+from parallama.training import syncs
 from parallama.training.muon import mark_hidden_matrices
 from parallama.training.optim import optimizer_factory, with_fused_default
 
@@ -162,15 +163,17 @@ class CausalLM(L.LightningModule):
         loss = self.step_loss(batch)
         mean = self.replica_mean(loss)
         # Reading the loss waits for the GPU, so check on logging steps only (every step on CPU).
-        check = self.device.type == "cpu" or self.global_step % self.trainer.log_every_n_steps == 0
+        check = syncs.reads_now(self.trainer, self.global_step + 1)
         if check and not torch.isfinite(mean):
             raise TrainingDiverged(
                 f"train/loss is {mean.item()} at step {self.global_step}: lower optimizer.lr or raise "
                 "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
         self.tokens_seen += batch["input_ids"].numel() * self.data_parallel_size
-        self.log("train/loss", mean, prog_bar=True)
-        self.log("train/tokens_seen", float(self.tokens_seen))
+        self.log(
+            "train/loss", mean
+        )  # not prog_bar, and a CPU tensor below: neither waits for a GPU (syncs.py)
+        self.log("train/tokens_seen", torch.tensor(float(self.tokens_seen)))
         return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):

@@ -13,14 +13,44 @@ import time
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
+from parallama.training import syncs
+
 log = logging.getLogger("parallama")
 
 
 def progress_bar(refresh_rate: int = 10, line_every_n_steps: int = 50) -> ProgressBar:
-    """`RichProgressBar(refresh_rate)` on a terminal, else `LineProgress(line_every_n_steps)`."""
+    """`LiveBar(refresh_rate)` on a terminal, else `LineProgress(line_every_n_steps)`."""
     if sys.stdout.isatty():
-        return RichProgressBar(refresh_rate=refresh_rate)
+        return LiveBar(refresh_rate=refresh_rate)
     return LineProgress(line_every_n_steps)
+
+
+def train_loss(trainer) -> float | None:
+    """The last logged train/loss. The module logs it without `prog_bar`: Lightning reads every progress-bar
+    metric from the device after every batch, which on a GPU waits for the step (training/syncs.py)."""
+    loss = trainer.callback_metrics.get("train/loss")
+    return None if loss is None else float(loss)
+
+
+class LiveBar(RichProgressBar):
+    """Lightning's RichProgressBar with train/loss, read every `refresh_rate` optimizer steps on a CPU and on the
+    logging steps on a GPU (training/syncs.py), not after every batch."""
+
+    def __init__(self, refresh_rate: int = 10) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self._loss: float | None = None
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        step = trainer.global_step
+        due = (
+            syncs.logging_step(trainer, step)
+            if syncs.device_waits(trainer)
+            else step % self.refresh_rate == 0
+        )
+        if due and trainer.training:
+            self._loss = train_loss(trainer)
+        loss = {} if self._loss is None else {"train/loss": self._loss}
+        return {**super().get_metrics(trainer, pl_module), **loss}
 
 
 class LineProgress(ProgressBar):
@@ -52,9 +82,9 @@ class LineProgress(ProgressBar):
         rate = (step - start_step) / max(time.monotonic() - start_time, 1e-9)
         total = trainer.max_steps if trainer.max_steps > 0 else None
         parts = [f"step {step}" + (f"/{total} ({100 * step / total:.0f}%)" if total else "")]
-        loss = self.get_metrics(trainer, pl_module).get("train/loss")
+        loss = train_loss(trainer)
         if loss is not None:
-            parts.append(f"train/loss {float(loss):.4f}")
+            parts.append(f"train/loss {loss:.4f}")
         parts.append(f"{rate:.2f} steps/s")
         if total and rate > 0:
             parts.append(f"eta {_duration((total - step) / rate)}")

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, nd, overhead, step_path
+from bench import data, ddp_scaling, gpu, loss, nd, overhead, step_path
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -16,6 +16,7 @@ BENCHMARKS = {
     "nd": nd,
     "gpu": gpu,
     "step-path": step_path,
+    "loss": loss,
 }
 CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd")
 

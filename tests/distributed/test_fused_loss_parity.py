@@ -1,7 +1,8 @@
 """`loss.impl=fused` under every parallel layout ends with one process's plain-loss weights after 3 steps (1e-5):
 
 - ddp and fsdp (torch's `F.linear_cross_entropy` on the whole head weight; under FSDP2 the head runs as a
-  registered forward method, its weight gathered);
+  registered forward method, its weight gathered); DeepSpeed's ZeRO-3 (the chunked path through the head module,
+  whose hooks gather its partitioned weight);
 - tensor parallel, with and without sequence parallel (the chunked path on each rank's vocab shard of a chunk's
   logits, the log-sum-exp reduced over the tp ranks), the pipeline's last stage and context parallel, these three
   with label smoothing and z-loss (the chunked path: torch's op has neither).
@@ -25,12 +26,17 @@ pytestmark = pytest.mark.multiprocess
 SMOOTH = ["loss.z_loss=1e-4", "loss.label_smoothing=0.1"]
 FUSED = ["loss.impl=fused", "loss.chunk_size=100"]
 VALIDATE = ["trainer.limit_val_batches=1"]
-LAYOUTS = {**LAYOUTS, "tp_sp": (2, 8, [*LAYOUTS["tp"][2], "strategy.sequence_parallel=true"])}
+LAYOUTS = {
+    **LAYOUTS,
+    "tp_sp": (2, 8, [*LAYOUTS["tp"][2], "strategy.sequence_parallel=true"]),
+    "zero3": (2, 4, ["strategy=deepspeed", "strategy.stage=3"]),
+}
 RUNS = {  # name: (layout, overrides, the plain one-process run it must equal)
     "plain": ("auto", [], None),
     "plain_smooth": ("auto", SMOOTH, None),
     "ddp": ("ddp", FUSED, "plain"),
     "fsdp": ("fsdp", FUSED, "plain"),
+    "zero3": ("zero3", FUSED, "plain"),
     "tp": ("tp", FUSED, "plain"),
     "tp_sp": ("tp_sp", [*FUSED, *SMOOTH], "plain_smooth"),
     "pp": ("pp", [*FUSED, *SMOOTH], "plain_smooth"),

@@ -77,7 +77,7 @@ CASES += [("chunked", 0.1, 1e-2)]
 @pytest.mark.parametrize("path, smoothing, z_loss", CASES)
 def test_fused_equals_plain_in_loss_and_gradients(model, monkeypatch, path, smoothing, z_loss):
     if path == "chunked" and not (smoothing or z_loss):
-        monkeypatch.setattr(CrossEntropy, "_torch_fuses", lambda self, weight: False)
+        monkeypatch.setattr(CrossEntropy, "_torch_fuses", lambda self, head: False)
     calls = used_torch_op(monkeypatch)
     plain_loss, plain_grads = loss_and_grads(model, CrossEntropy(smoothing, z_loss))
     fused = CrossEntropy(smoothing, z_loss, impl="fused", chunk_size=7)  # 60 tokens: 9 chunks, the last short
@@ -105,7 +105,7 @@ def largest_saved_tensor(model: Llama, loss_fn: CrossEntropy) -> int:
 @pytest.mark.parametrize("path", ["torch", "chunked"])
 def test_fused_keeps_no_logits_for_backward(model, monkeypatch, path):
     if path == "chunked":
-        monkeypatch.setattr(CrossEntropy, "_torch_fuses", lambda self, weight: False)
+        monkeypatch.setattr(CrossEntropy, "_torch_fuses", lambda self, head: False)
     logits = 3 * 20 * VOCAB
     assert largest_saved_tensor(model, CrossEntropy()) >= logits  # the plain loss keeps them
     assert largest_saved_tensor(model, CrossEntropy(impl="fused", chunk_size=7)) < logits / 2

@@ -98,7 +98,7 @@ class CrossEntropy:
 
             hidden = hidden.redistribute(placements=[Replicate()])
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
-        if self._torch_fuses(head.weight):
+        if self._torch_fuses(head):
             from torch.nn import LinearCrossEntropyOptions
 
             weight = head.weight
@@ -119,10 +119,15 @@ class CrossEntropy:
     def _chunk_loss(self, head: nn.Module, hidden: Tensor, labels: Tensor) -> Tensor:
         return self(head(hidden), labels, reduction="sum")
 
-    def _torch_fuses(self, weight: Tensor) -> bool:
-        """torch's fused op computes plain cross-entropy on a whole weight (not a DTensor, not a ZeRO-3 partition);
-        a subclass's own `__call__` (another term) runs on each chunk's logits instead."""
-        plain_weight = type(weight) in (torch.Tensor, nn.Parameter) and not hasattr(weight, "ds_id")
+    def _torch_fuses(self, head: nn.Module) -> bool:
+        """torch's fused op computes plain cross-entropy through a plain `nn.Linear` without bias (not a float8 or
+        other module of its own) on a whole weight (not a DTensor, not a ZeRO-3 partition); a subclass's own
+        `__call__` (another term) runs on each chunk's logits instead."""
+        weight = head.weight
+        plain_head = type(head) is nn.Linear and head.bias is None
+        plain_weight = (
+            plain_head and type(weight) in (torch.Tensor, nn.Parameter) and not hasattr(weight, "ds_id")
+        )
         has_op = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
         own_terms = type(self).__call__ is not CrossEntropy.__call__
         return has_op and plain_weight and not (self.label_smoothing or self.z_loss or own_terms)

@@ -118,6 +118,7 @@ def test_loss(capsys, tmp_path, cache):
     tiny += ["--chunk-size", "24", "--optimizer", "sgd"]
     text, result = run(capsys, tmp_path, cache, "loss", *tiny)
     assert set(result["results"]) == {"plain", "fused"} and set(result["ratios"]) == {
+        "forward_backward_time_interleaved",
         "step_peak",
         "peak_rss",
         "step_time",

@@ -146,9 +146,8 @@ def apply_fsdp(
         reshard = reshard_after_forward and i < len(model.layers) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-    if hasattr(
-        model, "head"
-    ):  # called apart from forward (loss.impl=fused): it gathers the head's weight too
+    # `head` is called apart from forward (loss.impl=fused): FSDP's hooks gather the head's weight for it too
+    if hasattr(model, "head"):
         register_fsdp_forward_method(model, "head")
 
 

@@ -18,7 +18,7 @@ BENCHMARKS = {
     "step-path": step_path,
     "loss": loss,
 }
-CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd")
+CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd", "loss")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,7 +5,9 @@
   whose hooks gather its partitioned weight);
 - tensor parallel, with and without sequence parallel (the chunked path on each rank's vocab shard of a chunk's
   logits, the log-sum-exp reduced over the tp ranks), the pipeline's last stage and context parallel, these three
-  with label smoothing and z-loss (the chunked path: torch's op has neither).
+  with label smoothing and z-loss (the chunked path: torch's op has neither);
+- the zero-bubble pipeline schedule zbv (2 stages per rank, so 4 layers in every run here), whose backward runs
+  through the loss twice (input gradients, then weight gradients): torch's op keeps its gradients for that.
 
 A loss chunk is 100 tokens, which divides no rank's tokens. One validation batch after the last step runs the plain
 path (the pipeline's last stage: its head on the hidden states): its val/loss is one process's too.
@@ -25,11 +27,12 @@ pytestmark = pytest.mark.multiprocess
 
 SMOOTH = ["loss.z_loss=1e-4", "loss.label_smoothing=0.1"]
 FUSED = ["loss.impl=fused", "loss.chunk_size=100"]
-VALIDATE = ["trainer.limit_val_batches=1"]
+BASE = ["trainer.limit_val_batches=1", "model.num_hidden_layers=4"]  # a validation batch; 4 layers for zbv
 LAYOUTS = {
     **LAYOUTS,
     "tp_sp": (2, 8, [*LAYOUTS["tp"][2], "strategy.sequence_parallel=true"]),
     "zero3": (2, 4, ["strategy=deepspeed", "strategy.stage=3"]),
+    "pp_zbv": (2, 8, [*LAYOUTS["pp"][2], "strategy.pp_schedule=zbv"]),
 }
 RUNS = {  # name: (layout, overrides, the plain one-process run it must equal)
     "plain": ("auto", [], None),
@@ -41,6 +44,7 @@ RUNS = {  # name: (layout, overrides, the plain one-process run it must equal)
     "tp_sp": ("tp_sp", [*FUSED, *SMOOTH], "plain_smooth"),
     "pp": ("pp", [*FUSED, *SMOOTH], "plain_smooth"),
     "cp": ("cp", [*FUSED, *SMOOTH], "plain_smooth"),
+    "pp_zbv": ("pp_zbv", FUSED, "plain"),
 }
 
 
@@ -58,7 +62,7 @@ def runs(tmp_path_factory, data_cache) -> dict:
         ranks, batch, args = LAYOUTS[layout]
         run = tmp / name
         weights = layout_weights(
-            run, *COMMON, *VALIDATE, *overrides, *args, ranks=ranks, batch=batch, cwd=tmp, cache=data_cache
+            run, *COMMON, *BASE, *overrides, *args, ranks=ranks, batch=batch, cwd=tmp, cache=data_cache
         )
         out[name] = weights, final_val_loss(run)
     return out

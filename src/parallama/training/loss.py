@@ -79,12 +79,16 @@ class CrossEntropy:
         """Whether this step computes the head with the loss: impl="fused" where gradients are taken."""
         return self.impl == "fused" and torch.is_grad_enabled()
 
-    def head_loss(self, labels: Tensor, reduction: str = "mean") -> Callable[[Tensor, nn.Module], Tensor]:
+    def head_loss(
+        self, labels: Tensor, reduction: str = "mean", *, twice: bool = False
+    ) -> Callable[[Tensor, nn.Module], Tensor]:
         """What `model.head(hidden, ...)` takes: this loss of `labels` as a function of the final hidden states
         and the head module (`fused`)."""
-        return partial(self.fused, labels=labels, reduction=reduction)
+        return partial(self.fused, labels=labels, reduction=reduction, twice=twice)
 
-    def fused(self, hidden: Tensor, head: nn.Module, labels: Tensor, reduction: str = "mean") -> Tensor:
+    def fused(
+        self, hidden: Tensor, head: nn.Module, labels: Tensor, reduction: str = "mean", twice: bool = False
+    ) -> Tensor:
         """The loss of `head(hidden)` against `labels` (as `__call__`), without the whole logits.
 
         torch's `F.linear_cross_entropy` (chunked, its gradients computed in the forward pass) where it applies:
@@ -92,7 +96,9 @@ class CrossEntropy:
         `chunk_size` tokens at a time, each chunk's logits recomputed in backward (torch.utils.checkpoint, as
         torchtitan's chunked loss) through the head module itself: under tensor parallel its logits are a chunk's
         vocab shard, and `__call__`'s log-sum-exp is reduced over the tp ranks (no rank gathers the logits); under
-        DeepSpeed's ZeRO-3 the module's hooks gather its weight."""
+        DeepSpeed's ZeRO-3 the module's hooks gather its weight. `twice`: backward runs through it twice (a
+        zero-bubble pipeline schedule's input, then weight gradients), which torch's op allows at the cost of one
+        more copy of its gradients."""
         if hasattr(hidden, "redistribute"):  # sequence parallel: each tp rank's part of the sequence
             from torch.distributed.tensor import Replicate
 
@@ -109,7 +115,9 @@ class CrossEntropy:
                 labels,
                 reduction="sum",
                 ignore_index=IGNORE_INDEX,
-                options=LinearCrossEntropyOptions(batch_chunk_size=self.chunk_size, chunking_method=None),
+                options=LinearCrossEntropyOptions(
+                    batch_chunk_size=self.chunk_size, chunking_method=None, allow_retain_graph=twice
+                ),
             ).float()
         else:
             chunks = zip(hidden.split(self.chunk_size), labels.split(self.chunk_size))

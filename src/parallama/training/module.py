@@ -106,15 +106,16 @@ class CausalLM(L.LightningModule):
         """The recipe's loss (`loss_fn`, conf/loss) of the batch's labels under the model: its mean over the
         labelled tokens."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+        inputs = (batch["input_ids"], batch.get("attention_mask"))
         if fuses(self.loss_fn):  # loss.impl=fused: the head's matmul inside the loss, chunk by chunk
-            hidden = self.model(
-                batch["input_ids"], batch.get("attention_mask"), hidden_states=True, **documents
-            )
-            return self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
-        if not torch.is_grad_enabled():
-            self.on_validation_logits(logits, batch["labels"])
-        return self.loss_fn(logits, batch["labels"])
+            hidden = self.model(*inputs, hidden_states=True, **documents)
+            loss = self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
+        else:
+            logits = self.model(*inputs, **documents)
+            if not torch.is_grad_enabled():
+                self.on_validation_logits(logits, batch["labels"])
+            loss = self.loss_fn(logits, batch["labels"])
+        return loss
 
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this

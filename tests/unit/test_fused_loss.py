@@ -163,7 +163,9 @@ def test_a_subclass_term_runs_on_each_chunk_under_fused(model):
     class WithLogitPenalty(CrossEntropy):
         def __call__(self, logits, labels, reduction="mean"):
             loss = super().__call__(logits, labels, reduction)
-            term = torch.where(labels.flatten() != IGNORE_INDEX, logits.flatten(0, -2).square().mean(-1), 0).sum()
+            term = torch.where(
+                labels.flatten() != IGNORE_INDEX, logits.flatten(0, -2).square().mean(-1), 0
+            ).sum()
             return loss + 1e-2 * (term if reduction == "sum" else term / (labels != IGNORE_INDEX).sum())
 
     plain_loss, plain_grads = loss_and_grads(model, WithLogitPenalty())

@@ -174,3 +174,21 @@ def test_a_subclass_term_runs_on_each_chunk_under_fused(model):
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_backward_twice_as_a_zero_bubble_schedule_runs_it(model):
+    """A zero-bubble pipeline schedule takes the input gradients first and the weight gradients later, two passes
+    through the loss (parallel/pipeline.py asks `twice`): torch's op keeps its gradients for the second."""
+    head = copy.deepcopy(model.lm_head)
+    ids, labels = batch()
+    hidden = model(ids, hidden_states=True).detach().requires_grad_()
+    plain = CrossEntropy()(head(hidden), labels)
+    want = torch.autograd.grad(plain, [hidden, head.weight])
+    loss = CrossEntropy(impl="fused", chunk_size=7).fused(hidden, head, labels, twice=True)
+    got = [torch.autograd.grad(loss, hidden, retain_graph=True)[0], torch.autograd.grad(loss, head.weight)[0]]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    once = CrossEntropy(impl="fused", chunk_size=7).fused(hidden, head, labels)
+    torch.autograd.grad(once, hidden, retain_graph=True)
+    with pytest.raises(RuntimeError, match="called twice"):
+        torch.autograd.grad(once, head.weight)

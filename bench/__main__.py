@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, nd, overhead, step_path, train_gpu
+from bench import data, ddp_scaling, gpu, loss, nd, overhead, step_path, train_gpu
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -17,8 +17,9 @@ BENCHMARKS = {
     "gpu": gpu,
     "step-path": step_path,
     "train-gpu": train_gpu,
+    "loss": loss,
 }
-CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd")
+CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd", "loss")
 
 
 def parser() -> argparse.ArgumentParser:

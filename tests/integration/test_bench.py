@@ -109,3 +109,20 @@ def test_step_path(capsys, tmp_path, cache):
     assert {"training/module.py", "training/loss.py", "models/llama/model.py"} <= set(step) <= set(whole)
     assert 0 < result["training_step"]["lines"] < result["command line"]["lines"]
     assert "from the training_step to optimizer.step()" in text
+
+
+def test_loss(capsys, tmp_path, cache):
+    """`bench loss` (the fused loss against the plain one), tiny: each variant in its own process, the same
+    weights after the same steps (SGD: an update linear in the gradient, see docs/benchmarks.md)."""
+    tiny = ["--vocab", "512", "--seq-len", "64", "--hidden", "32", "--layers", "1", "--steps", "2"]
+    tiny += ["--chunk-size", "24", "--optimizer", "sgd"]
+    text, result = run(capsys, tmp_path, cache, "loss", *tiny)
+    assert set(result["results"]) == {"plain", "fused"} and set(result["ratios"]) == {
+        "forward_backward_time_interleaved",
+        "step_peak",
+        "peak_rss",
+        "step_time",
+    }
+    assert all(r["step_s"] > 0 and r["peak_rss_mb"] > 0 for r in result["results"].values())
+    assert result["weights_max_abs_diff"] < 1e-5 < 1e-3 < result["weights_max_abs_change"]
+    assert "fused / plain: step peak" in text

@@ -40,9 +40,14 @@ class DecoderModel(Protocol):
         document_ids=None,
         input_pos=None,
         kv_cache=None,
+        hidden_states=False,
     ):
         """Logits (B, T, vocab) for token ids (B, T); a stage without the input modules takes hidden states, one
-        without the output modules returns them."""
+        without the output modules returns them, as does `hidden_states=True` (the final ones, for `head`)."""
+
+    def head(self, hidden, loss=None):
+        """The logits of the final hidden states, or `loss(hidden, head module)` (loss.impl=fused: the head's
+        matmul and the cross-entropy per chunk, training/loss.py); FSDP runs it under its hooks."""
 
     def init_weights(self) -> None:
         """(Re)initialize every weight and buffer: models built on the meta device are filled by this."""

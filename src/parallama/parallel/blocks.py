@@ -128,7 +128,12 @@ def apply_fsdp(
     gradients in fp32, keep fp32 master weights. cpu_offload: sharded parameters, gradients and optimizer
     state live in CPU memory.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     kwargs: dict = {"mesh": mesh}
     if mixed_precision is not None:
@@ -141,6 +146,9 @@ def apply_fsdp(
         reshard = reshard_after_forward and i < len(model.layers) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    # `head` is called apart from forward (loss.impl=fused): FSDP's hooks gather the head's weight for it too
+    if hasattr(model, "head"):
+        register_fsdp_forward_method(model, "head")
 
 
 def checkpoint_forward(block: nn.Module, *, selective: bool = False) -> None:

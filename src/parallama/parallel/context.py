@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.runtime import compat
+from parallama.training.loss import fuses
 
 
 def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
@@ -89,10 +90,14 @@ class ContextParallelStep:
         local = self._open.enter_context(sharded_batch(cp_mesh, batch))
         labels = local["labels"].flatten()
         with loss_context or nullcontext():
-            logits = module(local["input_ids"], position_ids=local["position_ids"])
-            if not torch.is_grad_enabled():
-                module.on_validation_logits(logits, local["labels"])
-            loss_sum = module.loss_fn(logits, labels, reduction="sum")
+            if fuses(module.loss_fn):  # loss.impl=fused: the head inside the loss (training/loss.py)
+                hidden = module(local["input_ids"], position_ids=local["position_ids"], hidden_states=True)
+                loss_sum = module.model.head(hidden, module.loss_fn.head_loss(labels, "sum"))
+            else:
+                logits = module(local["input_ids"], position_ids=local["position_ids"])
+                if not torch.is_grad_enabled():
+                    module.on_validation_logits(logits, local["labels"])
+                loss_sum = module.loss_fn(logits, labels, reduction="sum")
         loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh)
         if not torch.is_grad_enabled():
             self.end()

@@ -20,8 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.parallel.context import sharded_batch
-from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
+from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, PipelineOptions
 from parallama.runtime.compat import forward_only
+from parallama.training.loss import fuses
 
 BATCH_KWARGS = (
     "attention_mask",
@@ -65,8 +66,16 @@ class Pipeline:
         self._denominator: Tensor | float = 1.0
         self._rows: int | None = None  # the batch size the stages' shapes were inferred for
         self._step_grads: list = []  # (parameter, gradient) of the last training step, for `add_grads`
+        # loss.impl=fused: the last stage returns hidden states (in validation too, so its output's shape stays)
+        self.fused = getattr(loss_fn, "impl", "plain") == "fused"
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        if self.fused:  # the last stage gave its hidden states: the head runs here, with the loss in training
+            head = next(stage.submod for stage in self.stages if stage.is_last).head
+            if fuses(self.loss_fn):
+                twice = self.options.schedule in ZERO_BUBBLE  # input gradients first, weight gradients later
+                return head(logits, self.loss_fn.head_loss(labels, "sum", twice=twice)) / self._denominator
+            logits = head(logits)
         if self.on_validation_logits is not None and not torch.is_grad_enabled():
             self.on_validation_logits(logits, labels)
         return self.loss_fn(logits, labels, reduction="sum") / self._denominator
@@ -120,6 +129,8 @@ class Pipeline:
                 # rank's part of the sequence, whose length is not the sample's.
                 rows, length = labels.shape
                 kwargs["position_ids"] = torch.arange(length, device=labels.device).expand(rows, -1)
+            if self.fused:
+                kwargs["hidden_states"] = True
             args = (local["input_ids"],) if self.has_first else ()
             losses: list[Tensor] | None = [] if self.has_last else None
             run(*args, target=labels if self.has_last else None, losses=losses, **kwargs)

@@ -21,6 +21,7 @@ from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.runtime import compat
 from parallama.training import syncs
+from parallama.training.loss import fuses
 from parallama.training.muon import mark_hidden_matrices
 from parallama.training.optim import optimizer_factory, with_fused_default
 
@@ -106,16 +107,24 @@ class CausalLM(L.LightningModule):
         """The recipe's loss (`loss_fn`, conf/loss) of the batch's labels under the model: its mean over the
         labelled tokens."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
-        if not torch.is_grad_enabled():
-            self.on_validation_logits(logits, batch["labels"])
-        return self.loss_fn(logits, batch["labels"])
+        inputs = (batch["input_ids"], batch.get("attention_mask"))
+        if fuses(self.loss_fn):  # loss.impl=fused: the head's matmul inside the loss, chunk by chunk
+            hidden = self.model(*inputs, hidden_states=True, **documents)
+            loss = self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
+        else:
+            logits = self.model(*inputs, **documents)
+            if not torch.is_grad_enabled():
+                self.on_validation_logits(logits, batch["labels"])
+            loss = self.loss_fn(logits, batch["labels"])
+        return loss
 
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
         rank's part of them, on every path (a pipeline's last stage, a context-parallel rank's part of each
         sequence, under tensor parallel a DTensor sharded on the vocabulary: `.full_tensor()` it). Update a
-        torchmetrics metric here and log it in `on_validation_epoch_end` (docs/customize.md). None by default."""
+        torchmetrics metric here and log it in `on_validation_epoch_end` (docs/customize.md). None by default.
+        Under `loss.impl=fused` too: validation takes the plain path (logits, then the loss), as no gradient
+        memory is at stake there; only training steps compute the head with the loss."""
 
     # --- the step: forward, loss and backward, one branch per kind of layout ----------------------------
 

@@ -224,10 +224,11 @@ class Llama(nn.Module):
         document_ids=None,
         input_pos=None,
         kv_cache=None,
+        hidden_states=False,
     ) -> Tensor:
         """Logits (B, T, vocab_size) in the model's dtype for ``input_ids`` (B, T). A pipeline stage without
         the embedding takes the previous stage's hidden states (B, T, hidden) instead, and one without the head
-        returns its own.
+        returns its own; ``hidden_states=True`` returns the final norm's output, for ``head``.
 
         - No mask: causal attention over the whole row (packed batches, fastest path).
         - ``attention_mask`` (B, T), 1 = token, 0 = padding: positions are still 0..T-1, so
@@ -270,4 +271,11 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
         h = self.norm(h) if self.norm is not None else h
-        return self.lm_head(h) if self.lm_head is not None else h
+        return self.lm_head(h) if self.lm_head is not None and not hidden_states else h
+
+    def head(self, hidden: Tensor, loss=None) -> Tensor:
+        """The head on the final hidden states (``forward(..., hidden_states=True)``): the logits, or with
+        ``loss`` (a function of the hidden states and the head module) what it returns: the fused loss computes the
+        head's matmul with the cross-entropy, chunk by chunk (training/loss.py). A method of its own, so that FSDP
+        runs it under its hooks (parallel/blocks.py)."""
+        return self.lm_head(hidden) if loss is None else loss(hidden, self.lm_head)

@@ -86,6 +86,12 @@ def quiet_known_warnings() -> None:
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    # Lightning's SLURMEnvironment.detect() warns wherever `srun` is installed but did not start the process (a
+    # SLURM login node, a machine with slurm-wlm): parallama starts one node's ranks itself, and a multi-node run
+    # without a launcher is refused in one line that names srun (runtime/faults.py), so the hint never applies.
+    warnings.filterwarnings(
+        "ignore", message=r"The `srun` command is available on your system but is not used"
+    )
 
 
 def compose(

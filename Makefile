@@ -28,18 +28,20 @@ test: $(STAMP) slurm  ## the whole CPU test suite: unit, integration, distribute
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 # A one-node SLURM cluster for tests/slurm: its Debian packages (slurmctld, slurmd, munged), installed when missing.
-# tests/slurm/conftest.py configures and starts the daemons; without root or apt it says so and those tests skip.
-SLURM_BINS := sbatch srun scontrol slurmctld slurmd munged
+# The `slurm` fixture (tests/conftest.py, tests/slurm/cluster.py) configures and starts the daemons; without root
+# or apt-get this says so in one line and those tests skip, saying why.
 slurm:
-	@if command -v $(SLURM_BINS) >/dev/null 2>&1 && [ $$(command -v $(SLURM_BINS) | wc -l) -eq 6 ]; then :; \
+	@export PATH=$$PATH:/usr/sbin:/sbin; \
+	missing=$$(for b in sbatch srun scontrol slurmctld slurmd munged; do command -v $$b >/dev/null || echo $$b; done); \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
-	  echo "slurm: not installed and cannot install (needs root and apt-get): tests/slurm will skip"; \
+	  echo "slurm: no" $$missing "and no root with apt-get to install slurm-wlm and munge: tests/slurm will skip"; \
 	else \
 	  echo "slurm: installing slurm-wlm and munge with apt-get"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  (apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1 || \
-	   (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null)) \
-	  || echo "slurm: apt-get install slurm-wlm munge failed: tests/slurm will skip"; \
+	  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1; } || \
+	  echo "slurm: apt-get install slurm-wlm munge failed: tests/slurm will skip"; \
 	fi
 
 test-fast: $(STAMP)  ## unit tests only (no training run; under 2 minutes)

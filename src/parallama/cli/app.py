@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -120,6 +121,8 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
                 raise  # a bug: the whole traceback
             if status == 0:
                 log.warning(line)
+                if os.environ.get("SUBMITIT_EXECUTOR"):  # a job of launcher=slurm runs in submitit's process,
+                    raise type(err)(line) from None  # which hands the sweep a job's error, not its exit
             elif log_errors:
                 log.error(line)
             else:

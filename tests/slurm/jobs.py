@@ -26,17 +26,12 @@ def documented_script() -> str:
 
 def job_env(gate_dir: Path | None = None) -> dict:
     """What a job inherits (sbatch exports the submitter's environment): this venv's parallama-train first on
-    PATH, tests/slurm importable (step_gate), one thread per rank, no launcher variables of this process."""
+    PATH, tests/ importable (step_gate), one thread per rank, no launcher variables of this process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]).rstrip(":")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(":")
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
-
-
-def gate(step: int, folder: Path) -> str:
-    """The override that pauses every rank at `step` until it has a signal (step_gate.PauseAt)."""
-    return f"+callbacks.gate={{_target_:step_gate.PauseAt,step:{step},folder:'{folder}'}}"
 
 
 def sbatch(cluster: Cluster, cwd: Path, *args: str, options: tuple[str, ...] = ()) -> str:

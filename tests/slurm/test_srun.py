@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import TINY, layout_weights
 from safetensors.torch import load_file
-from slurm.jobs import gate, gate_reached, job, output, sbatch, start_requeued_now, wait_done
+from slurm.jobs import gate_reached, job, output, sbatch, start_requeued_now, wait_done
+from step_gate import gate
 
 from parallama.checkpoint.read import load_checkpoint
 from parallama.cli.export import main as export_hf

@@ -12,7 +12,8 @@ import optuna
 import pytest
 import yaml
 from conftest import TINY
-from slurm.jobs import gate, gate_reached, job_env
+from slurm.jobs import gate_reached, job_env
+from step_gate import gate
 
 from parallama.checkpoint.formats import client_state
 

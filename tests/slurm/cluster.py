@@ -140,7 +140,19 @@ class Cluster:
         raise RuntimeError(f"the node is not idle after {timeout:.0f} s (sinfo: {state!r}); logs: {logs}")
 
     def stop(self) -> None:
-        """Stop the daemons by their pid files (slurmd first: it ends its jobs' processes)."""
+        """End the jobs left (a failed test's), then stop the daemons by their pid files: a job's processes
+        (slurmstepd and its tasks) outlive slurmd."""
+        if self.running():
+            jobs = self.client("squeue", "-h", "-o", "%A", check=False).stdout.split()
+            if jobs:
+                self.client("scancel", "--full", "--signal=KILL", *jobs, check=False)
+                for _ in range(300):
+                    if not self.client(
+                        "squeue", "-h", "-t", "RUNNING,COMPLETING", check=False
+                    ).stdout.strip():
+                        break
+                    time.sleep(0.1)
+                self.client("scancel", *jobs, check=False)  # and the pending ones
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self._pid(name)
             if pid is None:

@@ -4,15 +4,15 @@ Optuna search of 2 trials, each a SLURM job with its own run dir and checkpoint.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import optuna
 import pytest
 import yaml
 from conftest import TINY
-from slurm.jobs import gate_reached, job_env
+from slurm.jobs import gate_reached, job_env, start_requeued_now
 from step_gate import gate
 
 from parallama.checkpoint.formats import client_state
@@ -23,28 +23,35 @@ SLURM = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpu
 SLURM += ["hydra.launcher.mem_gb=1"]
 
 
-def sweep(tmp, cache, *args: str, background: bool = False):
-    command = [
-        sys.executable,
-        "-m",
-        "parallama.cli.train",
-        "-m",
-        *SLURM,
-        *TINY,
-        f"paths.cache_dir={cache}",
-        *args,
-    ]
-    command += [f"hydra.sweep.dir={tmp / 'sweep'}"]
-    run = subprocess.Popen if background else subprocess.run
-    kwargs = {} if background else {"timeout": 600}
-    return run(
-        command, cwd=tmp, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+def command(tmp, cache, *args: str) -> list[str]:
+    return [sys.executable, "-m", "parallama.cli.train", "-m", *SLURM, *TINY, f"paths.cache_dir={cache}", *args,
+            f"hydra.sweep.dir={tmp / 'sweep'}"]  # fmt: skip
+
+
+def sweep(tmp, cache, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+
+
+@contextmanager
+def sweep_under_way(tmp, cache, *args: str):
+    """The sweep's process (it submits the jobs and waits for them), ended at the end if it is still there."""
+    out = open(tmp / "sweep.out", "w+")
+    proc = subprocess.Popen(
+        command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=out, stderr=out, text=True
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.close()
 
 
 def submitit_jobs(sweep_dir) -> list[str]:
     """The SLURM jobs submitit made for the sweep (array tasks `<id>_<n>`)."""
-    return sorted(p.name for p in (sweep_dir / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    return sorted(p.name for p in (sweep_dir / ".submitit").iterdir() if any(p.glob("*_submitted.pkl")))
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +60,13 @@ def grid(slurm, tmp_path_factory, data_cache):
     ckpt_path=last. (tmp, the cancelled sweep's output, the resumed sweep's)"""
     tmp = tmp_path_factory.mktemp("grid")
     points = ["optimizer.lr=1e-3,3e-3", gate(2, "${paths.output_dir}/gate")]
-    driver = sweep(tmp, data_cache, *points, background=True)
-    for job in ("0", "1"):
-        gate_reached(tmp / "sweep" / job / "gate", ranks=1)
-    (array,) = {name.split("_")[0] for name in submitit_jobs(tmp / "sweep")}
-    slurm.client("scancel", array)
-    cancelled = driver.communicate(timeout=300)[0]
+    with sweep_under_way(tmp, data_cache, *points) as driver:
+        for job in ("0", "1"):
+            gate_reached(tmp / "sweep" / job / "gate", ranks=1)
+        (array,) = {name.split("_")[0] for name in submitit_jobs(tmp / "sweep")}
+        slurm.client("scancel", array)
+        driver.wait(timeout=300)
+    cancelled = (tmp / "sweep.out").read_text()
     assert driver.returncode != 0, cancelled[-3000:]
     resumed = sweep(tmp, data_cache, *points, "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
@@ -99,3 +107,22 @@ def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm, tmp_path, data_ca
         assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4
     results = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
     assert results["best_output_dir"] == str(tmp_path / "sweep" / str(results["best_trial"]))
+
+
+def test_a_requeued_sweep_job_resumes_and_the_sweep_ends(slurm, tmp_path, data_cache):
+    """`scontrol requeue` of a sweep's job held at step 2: it saves at step 3 and leaves no result (an exit), so
+    the sweep waits; the requeued run resumes last.ckpt by itself and hands the sweep its result."""
+    with sweep_under_way(tmp_path, data_cache, gate(2, tmp_path / "gate")) as driver:
+        gate_reached(tmp_path / "gate", ranks=1)
+        (job_id,) = submitit_jobs(tmp_path / "sweep")
+        slurm.client("scontrol", "requeue", job_id)
+        start_requeued_now(slurm, job_id)
+        driver.wait(timeout=600)
+    output = (tmp_path / "sweep.out").read_text()
+    assert driver.returncode == 0, output[-4000:]
+    run = tmp_path / "sweep" / "0"
+    log = (run / "train.log").read_text()
+    assert (
+        "stopped by SIGTERM at step 3" in log and f"checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
+    )
+    assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -120,9 +119,11 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             if status is None:
                 raise  # a bug: the whole traceback
             if status == 0:
+                from parallama.runtime.launch import raise_preemption
+
                 log.warning(line)
-                if os.environ.get("SUBMITIT_EXECUTOR"):  # a job of launcher=slurm runs in submitit's process,
-                    raise type(err)(line) from None  # which hands the sweep a job's error, not its exit
+                if raise_preemption():  # launcher=slurm: the sweep learns of it
+                    raise type(err)(line) from None
             elif log_errors:
                 log.error(line)
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,6 +182,30 @@ def requeue_slurm_job() -> str:
         why = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
         return f"could not requeue SLURM job {job} (scontrol: {why[0]}): resubmit it with ckpt_path=last"
     return f"requeued SLURM job {job}: it resumes from there"
+
+
+def slurm_job_requeued() -> bool:
+    """Whether SLURM requeued this job since this run of it started (`scontrol requeue`, a preemption that
+    requeues): its restart count has moved past this run's SLURM_RESTART_COUNT."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    restarts = re.search(r"\bRestarts=(\d+)", out.stdout)
+    return restarts is not None and int(restarts[1]) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def raise_preemption() -> bool:
+    """Whether a stopped run (`Preempted`) must raise instead of exiting 0: a job of Hydra's submitit launcher
+    (launcher=slurm) runs inside submitit's process, which hands the sweep a job's error but nothing for an exit,
+    so the sweep would wait for its result (for ever where sacct is off). Unless SLURM requeued the job: its
+    next run hands the result back."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR")) and not slurm_job_requeued()
 
 
 def _launched_externally() -> bool:

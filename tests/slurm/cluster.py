@@ -27,6 +27,8 @@ def unavailable() -> str | None:
     missing = [name for name in (*DAEMONS, *CLIENTS[:5]) if not _which(name)]
     if missing:
         return f"SLURM not installed (no {', '.join(missing)}): `make slurm` installs slurm-wlm and munge as root"
+    if (os.cpu_count() or 1) < 2:
+        return "the SLURM tests run 2 tasks on one node: this machine has 1 CPU"
     if os.geteuid() != 0:
         return "slurmd runs jobs as any user only as root: run the SLURM tests as root"
     return None

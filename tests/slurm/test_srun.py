@@ -107,7 +107,8 @@ def test_scancel_stops_every_rank_with_a_checkpoint_that_loads(slurm, tmp_path, 
     ranks = [
         p
         for p in psutil.process_iter(["name", "cmdline"])
-        if p.info["name"] != "srun" and f"slurm/{job_id}" in " ".join(p.info["cmdline"] or [])
+        if p.info["name"] != "srun"
+        and f"hydra.run.dir=logs/train/slurm/{job_id}" in (p.info["cmdline"] or [])
     ]
     assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
     slurm.client("scancel", job_id)

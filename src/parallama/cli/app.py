@@ -119,11 +119,11 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             if status is None:
                 raise  # a bug: the whole traceback
             if status == 0:
-                from parallama.runtime.launch import raise_preemption
+                from parallama.runtime.launch import SweepJobStopped, raise_preemption
 
                 log.warning(line)
-                if raise_preemption():  # launcher=slurm: the sweep learns of it
-                    raise type(err)(line) from None
+                if raise_preemption():  # launcher=slurm: the sweep's process says it, in one line
+                    raise SweepJobStopped.of(err) from None
             elif log_errors:
                 log.error(line)
             else:

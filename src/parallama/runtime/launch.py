@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
 from parallama.config.compose import CHECKED_ENV
@@ -206,6 +207,17 @@ def raise_preemption() -> bool:
     so the sweep would wait for its result (for ever where sacct is off). Unless SLURM requeued the job: its
     next run hands the result back."""
     return bool(os.environ.get("SUBMITIT_EXECUTOR")) and not slurm_job_requeued()
+
+
+class SweepJobStopped(CompactHydraException):
+    """A job of launcher=slurm stopped by a signal (`scancel`), handed to the sweep's process, where Hydra prints
+    a CompactHydraException as its one line (exit status 1)."""
+
+    @classmethod
+    def of(cls, stopped: Exception) -> SweepJobStopped:
+        return cls(
+            f"error: a job of the sweep was {stopped}; run the same command with ckpt_path=last to resume its jobs"
+        )
 
 
 def _launched_externally() -> bool:

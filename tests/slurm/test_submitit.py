@@ -130,3 +130,15 @@ def test_a_requeued_sweep_job_resumes_and_the_sweep_ends(slurm, tmp_path, data_c
         "stopped by SIGTERM at step 3" in log and f"checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
     )
     assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4
+
+
+def test_a_job_that_fails_ends_the_sweep_with_its_line(slurm, tmp_path, data_cache):
+    """A job's one-line error (here ckpt_path=last in a new sweep: nothing to resume) reaches the sweep's process,
+    which ends with it; an exit inside submitit's process would leave the sweep waiting for a result."""
+    proc = sweep(tmp_path, data_cache, "ckpt_path=last")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert line == (
+        "error: a job of the sweep failed: ckpt_path=last but no run under logs/train/runs has a "
+        "checkpoints/last.ckpt"
+    )

@@ -118,16 +118,18 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             status, line = exit_status(err)
             if status is None:
                 raise  # a bug: the whole traceback
-            if status == 0:
-                from parallama.runtime.launch import SweepJobStopped, raise_preemption
+            from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
 
+            if status == 0:
                 log.warning(line)
-                if raise_preemption():  # launcher=slurm: the sweep's process says it, in one line
-                    raise SweepJobStopped.of(err) from None
             elif log_errors:
                 log.error(line)
             else:
                 print(line, file=sys.stderr)
+            if hand_to_sweep(status):  # launcher=slurm: the sweep's process says it, in one line
+                raise SweepJobEnded.of(
+                    str(err) if status == 0 else line.removeprefix("error: "), status
+                ) from None
             sys.exit(status)
 
     return wrapper

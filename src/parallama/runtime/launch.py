@@ -201,23 +201,27 @@ def slurm_job_requeued() -> bool:
     return restarts is not None and int(restarts[1]) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
-def raise_preemption() -> bool:
-    """Whether a stopped run (`Preempted`) must raise instead of exiting 0: a job of Hydra's submitit launcher
-    (launcher=slurm) runs inside submitit's process, which hands the sweep a job's error but nothing for an exit,
-    so the sweep would wait for its result (for ever where sacct is off). Unless SLURM requeued the job: its
-    next run hands the result back."""
-    return bool(os.environ.get("SUBMITIT_EXECUTOR")) and not slurm_job_requeued()
+def hand_to_sweep(status: int) -> bool:
+    """Whether a run that ends with `status` and its one line must raise instead of exiting: a job of Hydra's
+    submitit launcher (launcher=slurm) runs inside submitit's process, which hands the sweep a job's error but
+    nothing for an exit, so the sweep would wait for its result (for ever where sacct is off). Except a stopped
+    job (0) that SLURM requeued: its next run hands the result back."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return False
+    return status != 0 or not slurm_job_requeued()
 
 
-class SweepJobStopped(CompactHydraException):
-    """A job of launcher=slurm stopped by a signal (`scancel`), handed to the sweep's process, where Hydra prints
-    a CompactHydraException as its one line (exit status 1)."""
+class SweepJobEnded(CompactHydraException):
+    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line, handed to the sweep's process,
+    where Hydra prints a CompactHydraException as it is (exit status 1)."""
 
     @classmethod
-    def of(cls, stopped: Exception) -> SweepJobStopped:
-        return cls(
-            f"error: a job of the sweep was {stopped}; run the same command with ckpt_path=last to resume its jobs"
-        )
+    def of(cls, what: str, status: int) -> SweepJobEnded:
+        if status == 0:
+            return cls(
+                f"error: a job of the sweep was {what}; run the same command with ckpt_path=last to resume its jobs"
+            )
+        return cls(f"error: a job of the sweep failed: {what}")
 
 
 def _launched_externally() -> bool:

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: train test test-fast lint bench clean
+.PHONY: train test test-fast lint bench clean slurm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,25 @@ train: $(STAMP)  ## train the default tiny model on the embedded corpus (extra o
 # cores, and most tests wait on a training subprocess that uses one. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)  ## the whole CPU test suite: tests/unit, tests/integration, tests/distributed (what CI runs)
+test: $(STAMP) slurm  ## the whole CPU test suite: unit, integration, distributed, slurm (what CI runs)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
+
+# A one-node SLURM cluster for tests/slurm: its Debian packages (slurmctld, slurmd, munged), installed when missing.
+# The `slurm` fixture (tests/conftest.py, tests/slurm/cluster.py) configures and starts the daemons; without root
+# or apt-get this says so in one line and those tests skip, saying why.
+slurm:
+	@export PATH=$$PATH:/usr/sbin:/sbin; \
+	missing=$$(for b in sbatch srun scontrol slurmctld slurmd munged; do command -v $$b >/dev/null || echo $$b; done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "slurm: no" $$missing "and no root with apt-get to install slurm-wlm and munge: tests/slurm will skip"; \
+	else \
+	  echo "slurm: installing slurm-wlm and munge with apt-get"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1; } || \
+	  echo "slurm: apt-get install slurm-wlm munge failed: tests/slurm will skip"; \
+	fi
 
 test-fast: $(STAMP)  ## unit tests only (no training run; under 2 minutes)
 	$(BIN)/python -m pytest tests/unit --durations=10 $(ARGS)

@@ -203,3 +203,18 @@ def free_port() -> int:
 
 def weights(ckpt) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node SLURM cluster on this machine (tests/slurm/cluster.py), one per test run and shared by its
+    xdist workers; os.environ gets its SLURM_CONF, so sbatch, srun and scontrol (also a job's) find it. Skips in
+    one line where it cannot run (not installed: `make slurm` installs it as root)."""
+    from slurm.cluster import shared_cluster, unavailable
+
+    if why := unavailable():
+        pytest.skip(why)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"  # the workers of one run share it
+    with shared_cluster(Path(tempfile.gettempdir()) / f"parallama-slurm-{run}", str(os.getpid())) as cluster:
+        os.environ.update(cluster.env)
+        yield cluster

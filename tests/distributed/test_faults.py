@@ -164,13 +164,23 @@ def test_fresh_run_into_an_old_run_dir_is_refused_and_a_fresh_run_warns_nothing(
     assert len(lines) == 1 and lines[0].endswith(expected), lines
 
 
-def test_num_nodes_without_a_multi_node_launch_is_refused(tmp_path, data_cache):
-    proc = train("trainer.num_nodes=2", cwd=tmp_path, cache=data_cache, check=False, timeout=60)
+@pytest.mark.parametrize("srun", [False, True], ids=["no-srun", "srun-installed"])
+def test_num_nodes_without_a_multi_node_launch_is_refused(tmp_path, data_cache, srun):
+    """One line, also where `srun` is installed (a SLURM login node): Lightning's hint that srun is available but
+    unused is folded into it (found: a second line). PATH holds srun (a stand-in) or no srun at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if srun:
+        (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": str(bin_dir)}
+    proc = train("trainer.num_nodes=2", cwd=tmp_path, cache=data_cache, check=False, timeout=60, env=env)
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 2 and len(out.splitlines()) == 1, out
+    hint = "; srun is installed here but did not start this process" if srun else ""
     assert out.endswith(
         "error: trainer.num_nodes=2 needs a multi-node launch (torchrun --nnodes, SLURM srun, or "
-        "MASTER_ADDR/NODE_RANK set on each node); see docs/strategies.md"
+        f"MASTER_ADDR/NODE_RANK set on each node){hint}; see docs/strategies.md"
     )
 
 

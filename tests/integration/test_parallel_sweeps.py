@@ -16,10 +16,12 @@ import optuna
 import pytest
 import yaml
 from conftest import LAUNCH_ENV, TINY, run_cli, train
+from step_gate import gate
 from wandb_files import wandb_run
 
 from parallama.checkpoint.formats import client_state
 
+TESTS = Path(__file__).resolve().parents[1]  # on a job's PYTHONPATH: step_gate
 pytestmark = pytest.mark.usefixtures("no_wandb_account")  # W&B picks offline mode by itself
 
 
@@ -132,16 +134,17 @@ def test_optuna_reports_the_best_trial_with_its_checkpoint(study_run):
 
 def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
     """SIGTERM while the first trial trains: its job checkpoints and ends, the sweep exits; the same command
-    then runs that trial's parameters again from its last.ckpt, and only the trials still missing."""
+    then runs that trial's parameters again from its last.ckpt, and only the trials still missing. The trial is
+    held at step 2 until the signal is in (step_gate), so it stops at step 3 however slow the machine."""
     args = [*TINY, f"paths.cache_dir={data_cache}", "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2"]
-    args += ["hydra.launcher.n_jobs=1", "trainer.max_steps=16"]  # steps 3..16 outlast the signal's way
+    args += ["hydra.launcher.n_jobs=1", gate(2, tmp_path / "gate")]  # later runs pass the gate
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(tmp_path))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(tmp_path), PYTHONPATH=str(TESTS))
     command = [sys.executable, "-m", "parallama.cli.train", *args]
     sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log = tmp_path / "logs" / "train" / "multiruns"
     deadline = time.time() + 240
-    while not any("step 2  val/loss" in p.read_text() for p in log.glob("*/0/train.log")):
+    while not (tmp_path / "gate" / "rank0").exists():
         assert sweep.poll() is None and time.time() < deadline, sweep.stdout.read()[-3000:]
         time.sleep(0.5)
     sweep.send_signal(signal.SIGTERM)
@@ -149,9 +152,9 @@ def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
     assert sweep.returncode == 130 and "run the same command to continue" in output
     (first,) = log.iterdir()
     interrupted = client_state(first / "0" / "checkpoints" / "last.ckpt")
-    assert 2 <= interrupted["global_step"] < 16  # stopped mid-training (test_sweep_continue: after its fit)
+    assert interrupted["global_step"] == 3  # stopped mid-training (test_sweep_continue: after its fit)
 
-    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, timeout=600)
+    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(TESTS)})
     study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path}/logs/optuna.db")
     t0, t1, t2 = study.get_trials()
     assert t0.state.name == "FAIL" and t1.user_attrs["retry_of"] == 0 and t1.params == t0.params
@@ -160,5 +163,5 @@ def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
     (second,) = [p for p in log.iterdir() if p != first]
     assert [p.name for p in jobs(second)] == ["0", "1"]  # 2 jobs: the retried trial and the missing one
     retried = train_steps(jobs(second)[0])
-    assert retried[0] > 1 and retried[-1] == 16  # continued from the checkpoint to the end
+    assert retried == [4]  # continued from the checkpoint (step 3) to the end
     assert "trial 0 was interrupted" in proc.stdout + proc.stderr

@@ -86,6 +86,12 @@ def quiet_known_warnings() -> None:
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    # Lightning's SLURMEnvironment.detect() warns wherever `srun` is installed but did not start the process (a
+    # SLURM login node, a machine with slurm-wlm): parallama starts one node's ranks itself, and a multi-node run
+    # without a launcher is refused in one line that names srun (runtime/faults.py), so the hint never applies.
+    warnings.filterwarnings(
+        "ignore", message=r"The `srun` command is available on your system but is not used"
+    )
 
 
 def compose(
@@ -112,12 +118,18 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             status, line = exit_status(err)
             if status is None:
                 raise  # a bug: the whole traceback
+            from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
+
             if status == 0:
                 log.warning(line)
             elif log_errors:
                 log.error(line)
             else:
                 print(line, file=sys.stderr)
+            if hand_to_sweep(status):  # launcher=slurm: the sweep's process says it, in one line
+                raise SweepJobEnded.of(
+                    str(err) if status == 0 else line.removeprefix("error: "), status
+                ) from None
             sys.exit(status)
 
     return wrapper

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -45,9 +46,10 @@ def check_multi_node(num_nodes: int) -> None:
     manual = "MASTER_ADDR" in env and ("NODE_RANK" in env or "GROUP_RANK" in env)
     detected = any(e.detect() for e in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment))
     if num_nodes > 1 and not (manual or detected):
+        srun = "; srun is installed here but did not start this process" if shutil.which("srun") else ""
         raise ConfigError(
             f"trainer.num_nodes={num_nodes} needs a multi-node launch (torchrun --nnodes, SLURM srun, or "
-            "MASTER_ADDR/NODE_RANK set on each node); see docs/strategies.md"
+            f"MASTER_ADDR/NODE_RANK set on each node){srun}; see docs/strategies.md"
         )
 
 

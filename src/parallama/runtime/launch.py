@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
 from parallama.config.compose import CHECKED_ENV
@@ -163,6 +165,63 @@ class JobIsolation(Callback):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def requeue_slurm_job() -> str:
+    """Put this SLURM job back in the queue (`scontrol requeue`): SLURM ends it and runs the same script again,
+    under the same job id and with SLURM_RESTART_COUNT raised, which resumes last.ckpt (checkpoint.resume). Says
+    what happened, in words for the run's last line; a failure (no scontrol in the job's container, a job that
+    was not submitted with --requeue allowed) is said, not raised: the checkpoint is saved either way."""
+    job = os.environ["SLURM_JOB_ID"]
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"could not requeue SLURM job {job} ({err}): resubmit it with ckpt_path=last"
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
+        return f"could not requeue SLURM job {job} (scontrol: {why[0]}): resubmit it with ckpt_path=last"
+    return f"requeued SLURM job {job}: it resumes from there"
+
+
+def slurm_job_requeued() -> bool:
+    """Whether SLURM requeued this job since this run of it started (`scontrol requeue`, a preemption that
+    requeues): its restart count has moved past this run's SLURM_RESTART_COUNT."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    restarts = re.search(r"\bRestarts=(\d+)", out.stdout)
+    return restarts is not None and int(restarts[1]) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def hand_to_sweep(status: int) -> bool:
+    """Whether a run that ends with `status` and its one line must raise instead of exiting: a job of Hydra's
+    submitit launcher (launcher=slurm) runs inside submitit's process, which hands the sweep a job's error but
+    nothing for an exit, so the sweep would wait for its result (for ever where sacct is off). Except a stopped
+    job (0) that SLURM requeued: its next run hands the result back."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return False
+    return status != 0 or not slurm_job_requeued()
+
+
+class SweepJobEnded(CompactHydraException):
+    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line, handed to the sweep's process,
+    where Hydra prints a CompactHydraException as it is (exit status 1)."""
+
+    @classmethod
+    def of(cls, what: str, status: int) -> SweepJobEnded:
+        if status == 0:
+            return cls(
+                f"error: a job of the sweep was {what}; run the same command with ckpt_path=last to resume its jobs"
+            )
+        return cls(f"error: a job of the sweep failed: {what}")
 
 
 def _launched_externally() -> bool:

@@ -95,7 +95,7 @@ class OptunaPruningSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        at_once = self.n_jobs or getattr(self.launcher, "parallel_jobs", lambda: 1)()
+        at_once = self.n_jobs or parallel_jobs(self.launcher, self.config)
         prunes = OmegaConf.select(self.config, TRIAL_KEY) is not None
         job_idx, returns = 0, []
         while (left := self.n_trials - finished(study)) > 0:
@@ -182,7 +182,7 @@ class OptunaPruningSweeper(Sweeper):
         from parallama.sweeps.launcher import JobFailed
 
         if "output_dir" not in trial.user_attrs:  # set by the job's pruning callback, if it has one
-            trial.set_user_attr("output_dir", str(Path(result.working_dir).resolve()))
+            trial.set_user_attr("output_dir", str(Path(job_output_dir(result)).resolve()))
         try:
             value = result.return_value
         except JobFailed as err:
@@ -264,3 +264,19 @@ def distribution(override):
     raise ConfigError(
         f"{key}={override.input_line.split('=', 1)[1]}: not a search space (choice, range, interval)"
     )
+
+
+def parallel_jobs(launcher, config) -> int:
+    """Trials to ask at once when n_jobs is not set: as many as the launcher runs at once (parallama's, by its
+    devices; Hydra's submitit launcher, its array_parallelism: SLURM runs them as the cluster has room)."""
+    if hasattr(launcher, "parallel_jobs"):
+        return launcher.parallel_jobs()
+    return int(OmegaConf.select(config, "hydra.launcher.array_parallelism", default=None) or 1)
+
+
+def job_output_dir(result) -> str:
+    """A job's run directory: its Hydra output dir (a submitit job's `working_dir` is the directory it was
+    submitted from, since jobs do not chdir)."""
+    hydra_cfg = getattr(result, "hydra_cfg", None)
+    output_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None
+    return output_dir or result.working_dir

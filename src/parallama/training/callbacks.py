@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSu
 from lightning.pytorch.trainer.states import TrainerFn
 
 from parallama.runtime.faults import Preempted
+from parallama.runtime.launch import requeue_slurm_job
 from parallama.training import syncs
 from parallama.training.module import ends_the_run
 
@@ -115,9 +116,12 @@ class PreemptionCheckpoint(Callback):
     needs no agreement and stops at the next step. Then every rank raises `Preempted`: no
     validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
     handler is replaced once the loop starts (it broadcasts from inside the handler, which deadlocks ranks that
-    are in another collective); from `setup` until Lightning registers its own, this one is in place. A SLURM
-    requeue signal (`SLURMEnvironment(auto_requeue=True)`) stays Lightning's. Failures (a NaN loss, a crash) do
-    not save: they must not overwrite good weights.
+    are in another collective); from `setup` until Lightning registers its own, this one is in place. Under
+    SLURM with `SLURMEnvironment(auto_requeue=True)` (Lightning's default there) its requeue signal (SIGUSR1, what
+    `sbatch --signal=USR1@<s>` sends before the time limit) is taken too: saved the same way, then global rank 0
+    requeues the job (`scontrol requeue`), which resumes from last.ckpt; Lightning's own handler would save from
+    inside the handler, mid-step and in a collective that may hang. Failures (a NaN loss, a crash) do not save:
+    they must not overwrite good weights.
     """
 
     def __init__(self, dirpath: str, filename: str = "last", every_n_steps: int | None = None) -> None:
@@ -127,6 +131,7 @@ class PreemptionCheckpoint(Callback):
         self._previous: dict[int, object] = {}
         self._sigterm_before_lightning = None
         self._checked_step: int | None = None
+        self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Before Lightning registers its SIGTERM handler: remember what to restore, and record a SIGTERM now."""
@@ -145,10 +150,11 @@ class PreemptionCheckpoint(Callback):
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
         env = getattr(trainer.strategy, "cluster_environment", None)  # none for a single device
-        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
-        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            if signum != requeue:
-                self._previous[signum] = signal.signal(signum, self._record)
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+            self._requeue = env.requeue_signal
+        signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
+        for signum in signals + ([self._requeue] if self._requeue not in (None, *signals) else []):
+            self._previous[signum] = signal.signal(signum, self._record)
         if signal.SIGTERM in self._previous and self._sigterm_before_lightning is not None:
             self._previous[signal.SIGTERM] = self._sigterm_before_lightning
 
@@ -168,7 +174,13 @@ class PreemptionCheckpoint(Callback):
         if signum:
             trainer.save_checkpoint(self.path, weights_only=False)  # a full one: it resumes
             name = signal.Signals(signum).name
-            raise Preempted(f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}")
+            message = f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}"
+            if signum == self._requeue:
+                trainer.strategy.barrier("requeue")  # every rank has saved
+                message += "; " + (
+                    requeue_slurm_job() if trainer.is_global_zero else "rank 0 requeues the job"
+                )
+            raise Preempted(message)
 
     def _agree_now(self, trainer) -> bool:
         n = self.every_n_steps or (max(trainer.log_every_n_steps, 1) if syncs.device_waits(trainer) else 1)

@@ -1,0 +1,144 @@
+"""`launcher=slurm` sweeps under a real slurmctld, through Hydra's submitit launcher: a 2-point grid whose jobs
+are cancelled at a chosen step (each checkpoints in its own run dir) and resume with `ckpt_path=last`, and an
+Optuna search of 2 trials, each a SLURM job with its own run dir and checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import optuna
+import pytest
+import yaml
+from conftest import TINY
+from slurm.jobs import gate_reached, job_env, start_requeued_now
+from step_gate import gate
+
+from parallama.checkpoint.formats import client_state
+
+pytestmark = pytest.mark.multiprocess
+# One CPU task per job on a CPU cluster: no GPUs to ask for, and the node's memory, not 200 GB.
+SLURM = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1"]
+SLURM += ["hydra.launcher.mem_gb=1"]
+
+
+def command(tmp, cache, *args: str) -> list[str]:
+    return [sys.executable, "-m", "parallama.cli.train", "-m", *SLURM, *TINY, f"paths.cache_dir={cache}", *args,
+            f"hydra.sweep.dir={tmp / 'sweep'}"]  # fmt: skip
+
+
+def sweep(tmp, cache, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+
+
+@contextmanager
+def sweep_under_way(tmp, cache, *args: str):
+    """The sweep's process (it submits the jobs and waits for them), ended at the end if it is still there."""
+    out = open(tmp / "sweep.out", "w+")
+    proc = subprocess.Popen(
+        command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=out, stderr=out, text=True
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.close()
+
+
+def submitit_jobs(sweep_dir) -> list[str]:
+    """The SLURM jobs submitit made for the sweep (array tasks `<id>_<n>`)."""
+    return sorted(p.name for p in (sweep_dir / ".submitit").iterdir() if any(p.glob("*_submitted.pkl")))
+
+
+@pytest.fixture(scope="module")
+def grid(slurm, tmp_path_factory, data_cache):
+    """A 2-point grid: both jobs held at step 2, the array cancelled (scancel), then the same command with
+    ckpt_path=last. (tmp, the cancelled sweep's output, the resumed sweep's)"""
+    tmp = tmp_path_factory.mktemp("grid")
+    points = ["optimizer.lr=1e-3,3e-3", gate(2, "${paths.output_dir}/gate")]
+    with sweep_under_way(tmp, data_cache, *points) as driver:
+        for job in ("0", "1"):
+            gate_reached(tmp / "sweep" / job / "gate", ranks=1)
+        (array,) = {name.split("_")[0] for name in submitit_jobs(tmp / "sweep")}
+        slurm.client("scancel", array)
+        driver.wait(timeout=300)
+    cancelled = (tmp / "sweep.out").read_text()
+    assert driver.returncode != 0, cancelled[-3000:]
+    resumed = sweep(tmp, data_cache, *points, "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    return tmp, cancelled, resumed.stdout
+
+
+def test_a_cancelled_job_says_where_it_stopped(grid):
+    tmp, cancelled, _ = grid
+    # Hydra's report of a failed job: its overrides, the job's line, and no traceback
+    (line,) = [line for line in cancelled.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: a job of the sweep was stopped by SIGTERM at step 3; last checkpoint: ")
+    assert line.endswith("run the same command with ckpt_path=last to resume its jobs"), line
+    assert "Traceback" not in cancelled, cancelled[-3000:]
+    for job in ("0", "1"):
+        log = (tmp / "sweep" / job / "train.log").read_text()
+        assert f"stopped by SIGTERM at step 3; last checkpoint: {tmp / 'sweep' / job}" in log
+
+
+def test_each_job_has_its_run_dir_and_resumes_its_checkpoint(grid):
+    tmp, _, output = grid
+    assert len(submitit_jobs(tmp / "sweep")) == 4  # 2 SLURM jobs, twice
+    lrs = set()
+    for job in ("0", "1"):
+        run = tmp / "sweep" / job
+        lrs.add(yaml.safe_load((run / "resolved_config.yaml").read_text())["optimizer"]["lr"])
+        assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4
+        log = (run / "train.log").read_text()
+        assert f"Restored all states from the checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
+    assert lrs == {1e-3, 3e-3}
+
+
+def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm, tmp_path, data_cache):
+    proc = sweep(tmp_path, data_cache, "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path}/logs/optuna.db")
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert len(submitit_jobs(tmp_path / "sweep")) == 2  # one array of 2 tasks: asked together
+    for trial in trials:
+        run = tmp_path / "sweep" / str(trial.number)
+        assert trial.user_attrs["output_dir"] == str(run)
+        assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4
+    results = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    assert results["best_output_dir"] == str(tmp_path / "sweep" / str(results["best_trial"]))
+
+
+def test_a_requeued_sweep_job_resumes_and_the_sweep_ends(slurm, tmp_path, data_cache):
+    """`scontrol requeue` of a sweep's job held at step 2: it saves at step 3 and leaves no result (an exit), so
+    the sweep waits; the requeued run resumes last.ckpt by itself and hands the sweep its result."""
+    with sweep_under_way(tmp_path, data_cache, gate(2, tmp_path / "gate")) as driver:
+        gate_reached(tmp_path / "gate", ranks=1)
+        (job_id,) = submitit_jobs(tmp_path / "sweep")
+        slurm.client("scontrol", "requeue", job_id)
+        start_requeued_now(slurm, job_id)
+        driver.wait(timeout=600)
+    output = (tmp_path / "sweep.out").read_text()
+    assert driver.returncode == 0, output[-4000:]
+    run = tmp_path / "sweep" / "0"
+    log = (run / "train.log").read_text()
+    assert (
+        "stopped by SIGTERM at step 3" in log and f"checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
+    )
+    assert client_state(run / "checkpoints" / "last.ckpt")["global_step"] == 4
+
+
+def test_a_job_that_fails_ends_the_sweep_with_its_line(slurm, tmp_path, data_cache):
+    """A job's one-line error (here ckpt_path=last in a new sweep: nothing to resume) reaches the sweep's process,
+    which ends with it; an exit inside submitit's process would leave the sweep waiting for a result."""
+    proc = sweep(tmp_path, data_cache, "ckpt_path=last")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert line == (
+        "error: a job of the sweep failed: ckpt_path=last but no run under logs/train/runs has a "
+        "checkpoints/last.ckpt"
+    )

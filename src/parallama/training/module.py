@@ -61,6 +61,7 @@ class CausalLM(L.LightningModule):
             1  # the replicas a step trains on (tokens seen count them), set when fit starts
         )
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
+        self.auxiliary_metrics: dict = {}  # the model's auxiliary losses' metrics of the last training step
         self.context_parallel = (
             ContextParallelStep()
         )  # the ring-attention context of a step, open until backward
@@ -108,7 +109,16 @@ class CausalLM(L.LightningModule):
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
         if not torch.is_grad_enabled():
             self.on_validation_logits(logits, batch["labels"])
-        return self.loss_fn(logits, batch["labels"])
+        return self.loss_fn(logits, batch["labels"]) + self.auxiliary_loss()
+
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """The model's own training losses of its last forward (a mixture of experts' router losses:
+        models/moe.py), collected after it on every path; kept with their metrics for `training_step` to log.
+        0 for a model without them (the contract's optional `auxiliary_loss`) and outside training."""
+        if not (torch.is_grad_enabled() and hasattr(self.model, "auxiliary_loss")):
+            return 0.0
+        loss, self.auxiliary_metrics = self.model.auxiliary_loss()
+        return loss
 
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
@@ -171,7 +181,18 @@ class CausalLM(L.LightningModule):
         self.tokens_seen += batch["input_ids"].numel() * self.data_parallel_size
         self.log("train/loss", mean, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
+        if metrics := self.auxiliary_metrics:  # the same value on every rank: their mean
+            means = self.replica_mean(torch.stack(list(metrics.values())))
+            for name, value in zip(metrics, means):
+                self.log(f"train/{name}", value)
         return loss
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """Lightning's hook; then the model's own update after a step (the contract's optional
+        `after_optimizer_step`: loss-free expert balancing moves its router biases)."""
+        super().optimizer_step(*args, **kwargs)
+        if hasattr(self.model, "after_optimizer_step"):
+            self.model.after_optimizer_step()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a

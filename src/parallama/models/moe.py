@@ -1,5 +1,5 @@
 """A mixture-of-experts feed-forward block for any family: token-choice top-k routing, dropless, the experts as
-stacked weights run by one grouped GEMM, and the router's training losses (load balancing over the global batch,
+stacked weights run by one grouped GEMM (torch's, through runtime/compat.py), and the router's training losses (load balancing over the global batch,
 router z-loss) or DeepSeek-V3's loss-free bias balancing.
 
 Read top to bottom: `TopKRouter` picks each token's experts; `GroupedExperts` runs every expert on the tokens sent
@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from parallama.runtime import compat
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -71,15 +73,6 @@ class TopKRouter(nn.Module):
         self.expert_bias += self.bias_update_rate * torch.sign(tokens_per_expert.mean() - tokens_per_expert)
 
 
-def _grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """Rows of `x` sorted by group, group g (rows offsets[g-1]:offsets[g]) times w[g].T: one grouped GEMM where
-    torch has it for this device and dtype, else one matmul per group."""
-    if x.shape[0] and hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-    bounds = [0, *offsets.tolist()]
-    return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-
-
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs as stacked weights: gate and up fused as Hugging Face stores them in memory
     (gate_up_proj (E, 2I, H): gate rows first), down_proj (E, H, I)."""
@@ -96,8 +89,8 @@ class GroupedExperts(nn.Module):
         if hasattr(gate_up, "to_local"):
             gate_up, down = gate_up.to_local(), down.to_local()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        gate, up = _grouped_mm(x, gate_up, offsets).chunk(2, dim=-1)
-        return _grouped_mm(F.silu(gate) * up, down, offsets)
+        gate, up = compat.grouped_mm(x, gate_up, offsets).chunk(2, dim=-1)
+        return compat.grouped_mm(F.silu(gate) * up, down, offsets)
 
 
 @dataclass

@@ -128,7 +128,19 @@ def apply_fsdp(
     gradients in fp32, keep fp32 master weights. cpu_offload: sharded parameters, gradients and optimizer
     state live in CPU memory.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(mesh, mixed_precision, cpu_offload)
+    for i, block in enumerate(model.layers.values()):
+        # The last block's parameters are needed again right away by backward: keep them gathered.
+        reshard = reshard_after_forward and i < len(model.layers) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def fsdp_kwargs(mesh, mixed_precision: str | None = None, cpu_offload: bool = False) -> dict:
+    """`fully_shard`'s mesh, mixed precision and offload policies (see `apply_fsdp`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict = {"mesh": mesh}
     if mixed_precision is not None:
@@ -136,11 +148,7 @@ def apply_fsdp(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cpu_offload:  # pinned host memory (faster copies) needs an accelerator; on CPU the shards stay put
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    for i, block in enumerate(model.layers.values()):
-        # The last block's parameters are needed again right away by backward: keep them gathered.
-        reshard = reshard_after_forward and i < len(model.layers) - 1
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return kwargs
 
 
 def checkpoint_forward(block: nn.Module, *, selective: bool = False) -> None:

@@ -27,11 +27,25 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         )
     if dims.tp > 1:
         _check_tensor_parallel(cfg, dims.tp)
+    if dims.ep > 1:
+        _check_expert_parallel(cfg, dims.ep)
     if dims.tp > 1 and cfg.compile and not on_gpu:
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
             "the loss after one step differs from eager's by 2e-2); use compile=false on CPU"
         )
+
+
+def _check_expert_parallel(cfg: DictConfig, ep: int) -> None:
+    """Each ep rank holds num_experts / ep of every block's experts."""
+    experts = cfg.model.get("num_experts")
+    if experts is None:
+        raise ConfigError(
+            f"strategy.ep={ep} shards a mixture of experts, but model.family={cfg.model.get('family', 'llama')} "
+            "has none (model.num_experts); use strategy.ep=1 or an MoE model (model=qwen3_moe_tiny)"
+        )
+    if experts % ep:
+        raise ConfigError(f"strategy.ep={ep} must divide model.num_experts={experts}")
 
 
 def _check_pipeline(cfg: DictConfig, pp: int) -> None:

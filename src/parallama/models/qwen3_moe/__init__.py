@@ -29,7 +29,13 @@ class Qwen3MoeConfig(Qwen3Config):
         "gate_proj",
         "up_proj",
         "down_proj",
-    )  # per expert on disk: mlp.experts.<e>.<name>.weight
+    )  # on disk, per expert: mlp.experts.<e>.<name>.weight
+    training_fields = (
+        *Qwen3Config.training_fields,
+        "router_aux_loss_coef",
+        "router_z_loss_coef",
+        "router_bias_update_rate",
+    )
 
     intermediate_size: int = 6144  # the dense MLP of `mlp_only_layers`
     moe_intermediate_size: int = 768

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import fields
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
-from parallama.checkpoint.read import load_state_into
 from parallama.errors import ConfigError
 from parallama.models.llama import hf as llama_hf
 from parallama.models.llama.hf import load_hf_config  # noqa: F401  (the family's hf module offers it)
 
-# Fields that change training only, not the model transformers runs: not compared with a folder's
-TRAINING_FIELDS = (
-    "initializer_range",
-    "router_aux_loss_coef",
-    "router_z_loss_coef",
-    "router_bias_update_rate",
-)
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -83,21 +71,5 @@ def save_hf_folder(out_dir: str | os.PathLike, state_dict: dict[str, Tensor], co
 
 
 def load_hf_weights(model, path: str | os.PathLike) -> None:
-    """Copy a Qwen3-MoE folder's weights into `model`, whose architecture must be the folder's."""
-    theirs = load_hf_config(path, type(model.config))
-    for f in fields(theirs):
-        if f.name not in TRAINING_FIELDS and getattr(theirs, f.name) != getattr(model.config, f.name):
-            raise ConfigError(
-                f"init_from={path} has {f.name}={getattr(theirs, f.name)} but model.{f.name}="
-                f"{getattr(model.config, f.name)}; set model.{f.name} to match"
-            )
-    hf = {}
-    for file in llama_hf._safetensors_files(Path(path)):
-        try:
-            hf.update(load_file(file))
-        except (SafetensorError, OSError) as err:
-            raise ConfigError(f"init_from file {file} is truncated or corrupt ({err})") from None
-    ours = fused({k.removeprefix("model."): v for k, v in hf.items()})
-    if model.config.tie_word_embeddings:
-        ours["lm_head.weight"] = ours.get("embed_tokens.weight")
-    load_state_into(model, ours, source=f"init_from={path}")
+    """Copy a Qwen3-MoE folder's weights into `model` (the Llama's reader, the experts stacked)."""
+    llama_hf.load_hf_weights(model, path, convert=fused)

@@ -2,7 +2,7 @@
 the mixture of experts whole on every tp rank: its input, the residual stream, is whole there (gathered first
 under sequence parallel, and its output split on the sequence again), so every tp rank computes the same tokens
 and the same gradients. Before that the routers learn which ranks hold other tokens (their load-balancing counts
-add up over those: parallel/experts.py).
+add up over those), and with `strategy.ep` > 1 the experts are sharded over the ep ranks (parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from parallama.models.llama.parallelize import REPLICATED
 from parallama.models.llama.parallelize import parallelize as llama_parallelize
 from parallama.models.qwen3.parallelize import qwen3_block_plan
-from parallama.parallel.experts import set_count_group
+from parallama.parallel.experts import apply_ep, set_count_group
 
 
 def moe_block_plan(*, sequence_parallel: bool, between) -> dict:
@@ -38,4 +38,6 @@ def moe_block_plan(*, sequence_parallel: bool, between) -> dict:
 
 def parallelize(model, options):
     set_count_group(model, options)
+    if options.dims.ep > 1:
+        apply_ep(model, options)
     return llama_parallelize(model, options, block_plan=moe_block_plan)

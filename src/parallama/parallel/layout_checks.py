@@ -29,6 +29,11 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
+    if dims.pp > 1 and cfg.model.get("num_experts"):
+        raise ConfigError(
+            f"strategy.pp={dims.pp} with a mixture of experts (model.num_experts) is not supported: the routers' "
+            "losses do not reach a pipeline's loss; use strategy.pp=1 (ep, dp_shard and tp compose)"
+        )
     if dims.tp > 1 and cfg.compile and not on_gpu:
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "

@@ -1,5 +1,6 @@
 """Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
-(load balancing 0.01, z-loss 0.001): ep=2 (2 ranks), ep=2 x dp_shard=2 and ep=2 x tp=2 (4 ranks) each end with
+(load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks), ep=2 x dp_shard=2 and ep=2 x tp=2
+with and without sequence parallel (4 ranks) each end with
 the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
 at every step: the balancing counts are the global batch's in every layout (with each rank's own counts instead,
 ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of ep=2 x
@@ -20,12 +21,16 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS, TOLERANCE = 3, 1e-5
 MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-       "model.mlp_only_layers=[]"]  # fmt: skip
+       "model.mlp_only_layers=[1]"]  # fmt: skip
 MP = "strategy=model_parallel"
 PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 8
     "ep2": (2, [MP, "strategy.ep=2", "data.batch_size=4"]),
     "ep2_dp_shard2": (4, [MP, "strategy.ep=2", "data.batch_size=2"]),
     "ep2_tp2": (4, [MP, "strategy.ep=2", "strategy.tp=2", "data.batch_size=4"]),
+    "ep2_tp2_sp": (
+        4,
+        [MP, "strategy.ep=2", "strategy.tp=2", "strategy.sequence_parallel=true", "data.batch_size=4"],
+    ),
 }
 RESUMES = {  # name: (source run, ranks, overrides)
     "ep2_dp_shard2_to_1": ("ep2_dp_shard2", 1, ["data.batch_size=8"]),

@@ -93,7 +93,7 @@ class ContextParallelStep:
             if not torch.is_grad_enabled():
                 module.on_validation_logits(logits, local["labels"])
             loss_sum = module.loss_fn(logits, labels, reduction="sum")
-        loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh) + module.auxiliary_loss()
+        loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh)
         if not torch.is_grad_enabled():
             self.end()
         return loss

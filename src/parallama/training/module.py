@@ -109,11 +109,11 @@ class CausalLM(L.LightningModule):
         logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)
         if not torch.is_grad_enabled():
             self.on_validation_logits(logits, batch["labels"])
-        return self.loss_fn(logits, batch["labels"]) + self.auxiliary_loss()
+        return self.loss_fn(logits, batch["labels"])
 
     def auxiliary_loss(self) -> torch.Tensor | float:
         """The model's own training losses of its last forward (a mixture of experts' router losses:
-        models/moe.py), collected after it on every path; kept with their metrics for `training_step` to log.
+        models/moe.py), collected after it by `step_loss`; kept with their metrics for `training_step` to log.
         0 for a model without them (the contract's optional `auxiliary_loss`) and outside training."""
         if not (torch.is_grad_enabled() and hasattr(self.model, "auxiliary_loss")):
             return 0.0
@@ -137,7 +137,10 @@ class CausalLM(L.LightningModule):
         - context parallel (`strategy.cp` > 1): each rank's part of every sequence under ring attention, whose
           context stays open until `backward` has run back through it;
         - otherwise a forward pass and the recipe's loss; under tensor parallel on vocab-sharded logits
-          (`loss_context`: no rank gathers them)."""
+          (`loss_context`: no rank gathers them).
+
+        In training the model's own losses of that forward (`auxiliary_loss`) are added on every path but the
+        pipeline's (refused there for a model that has them: parallel/layout_checks.py)."""
         layout = self.parallelism
         if layout.pipeline is not None:
             with layout.loss_context():
@@ -149,9 +152,10 @@ class CausalLM(L.LightningModule):
                     cp_mesh=layout.cp_mesh,
                 )
         if layout.cp_mesh is not None:
-            return self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
+            loss = self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
+            return loss + self.auxiliary_loss()
         with layout.loss_context():
-            return self.loss(batch)
+            return self.loss(batch) + self.auxiliary_loss()
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         """Lightning's hook, called by the precision plugin between its own pre- and post-backward steps."""

@@ -1,6 +1,7 @@
 """Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
 (load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks), ep=2 x dp_shard=2 and ep=2 x tp=2
-with and without sequence parallel (4 ranks), and without experts sharded cp=2 and ddp at 2 ranks, each end with
+with and without sequence parallel, pp=2 x ep=2 (gpipe, one microbatch: the stages add their router losses in
+backward) (4 ranks), and without experts sharded cp=2 and ddp at 2 ranks, each end with
 the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
 at every step: the balancing counts are the global batch's in every layout (with each rank's own counts instead,
 ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of ep=2 x
@@ -31,6 +32,18 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
         4,
         [MP, "strategy.ep=2", "strategy.tp=2", "strategy.sequence_parallel=true", "data.batch_size=4"],
     ),
+    # one microbatch: the balancing batch is each microbatch (over the dp ranks), here the whole batch
+    "pp2_ep2": (
+        4,
+        [
+            MP,
+            "strategy.pp=2",
+            "strategy.ep=2",
+            "strategy.pp_schedule=gpipe",
+            "strategy.pp_microbatches=1",
+            "data.batch_size=4",
+        ],
+    ),  # fmt: skip
     "cp2": (2, [MP, "strategy.cp=2", "data.batch_size=8"]),  # the balancing counts add up over cp ranks too
     "ddp": (2, ["strategy=ddp", "data.batch_size=4"]),
 }

@@ -27,8 +27,8 @@ MOE = ["strategy=model_parallel", "trainer.accelerator=cpu", "model=qwen3_moe_ti
         (["trainer.devices=2", "strategy.ep=0"], "strategy.ep=0 is not valid; use an integer >= 1"),
         (["trainer.devices=4", "strategy.cp=2", "strategy.ep=2"], "strategy.ep=2 with strategy.cp=2 is not"),
         (
-            ["trainer.devices=2", "strategy.pp=2"],
-            "strategy.pp=2 with a mixture of experts (model.num_experts)",
+            ["trainer.devices=2", "strategy.pp=2", "model.router_bias_update_rate=0.001"],
+            "model.router_bias_update_rate=0.001 with strategy.pp=2 is not supported",
         ),
         (
             ["trainer.devices=2", "strategy.ep=2", "model=tiny"],

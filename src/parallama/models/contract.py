@@ -25,8 +25,10 @@ class DecoderModel(Protocol):
     shared_modules: what every stage keeps (buffers derived from the config: the rotary tables).
 
     Optional (models/qwen3_moe): `auxiliary_loss() -> (loss, {name: metric})`, the model's own training losses of
-    its last forward, which `CausalLM` adds to the recipe's loss on every path and logs as `train/<name>`; and
-    `after_optimizer_step()`, called after each optimizer step (loss-free expert balancing).
+    its last forward, which `CausalLM` adds to the recipe's loss on every path and logs as `train/<name>`;
+    `auxiliary_loss_in_backward(microbatches, accumulate)`, called before a pipeline's step (each stage then adds
+    its own in backward, and `auxiliary_loss` gives their value); and `after_optimizer_step()`, called after each
+    optimizer step (loss-free expert balancing).
     """
 
     config: Any

@@ -112,9 +112,10 @@ class MoE(nn.Module):
     tokens routed to e, summing to top_k; P_e: e's mean probability), Hugging Face's normalization, per block.
     z_loss_coef: weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)."""
 
-    count_group = (
-        None  # the process group whose ranks hold other tokens (parallel/experts.py); None: this rank
-    )
+    # The process group whose ranks hold other tokens (parallel/experts.py); None: this rank alone
+    count_group = None
+    # In a pipeline stage: the weight of this block's losses, added in backward (`add_losses_in_backward`)
+    loss_in_backward: float | None = None
 
     def __init__(
         self,
@@ -144,9 +145,10 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(hidden_size, intermediate_size, num_experts)
         self.shared_experts = shared_experts
         self.routing: Routing | None = None  # the last training forward's, until `auxiliary_loss` reads it
-        self.step_tokens: Tensor | None = (
-            None  # global tokens per expert so far this step (loss-free balancing)
-        )
+        # The global tokens per expert so far this step (loss-free balancing)
+        self.step_tokens: Tensor | None = None
+        # In a pipeline stage: each microbatch's (loss, metrics), for `pipeline_losses`
+        self.microbatch_losses: list = []
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -174,7 +176,26 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.loss_in_backward is not None and torch.is_grad_enabled():
+            loss, metrics = auxiliary_loss([self])
+            out = _AddLossGradient.apply(out, loss, self.loss_in_backward)
+            self.microbatch_losses.append((loss.detach(), metrics))
         return out.reshape(shape)
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """x unchanged; in backward `loss` gets the gradient `weight` as if weight x loss were added to the model's
+    loss (Megatron's MoEAuxLossAutoScaler): a block's loss that reaches backward with its activations, where no
+    loss of the whole model is formed on this rank (a pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, loss: Tensor, weight: float) -> Tensor:
+        ctx.weight, ctx.like = weight, loss.detach()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, torch.full_like(ctx.like, ctx.weight), None
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
@@ -218,3 +239,33 @@ def update_expert_biases(blocks: list[MoE]) -> None:
         if block.step_tokens is not None:
             block.gate.update_bias(block.step_tokens)
             block.step_tokens = None
+
+
+def add_losses_in_backward(blocks: list[MoE], weight: float | None) -> None:
+    """In a pipeline stage (whose rank forms no loss of the whole model): each block adds weight x its losses in
+    backward at every training forward, its balancing counts those of the microbatch over the data-parallel
+    ranks. None: collected after the forward by `auxiliary_loss`."""
+    for block in blocks:
+        block.loss_in_backward = weight
+
+
+def pipeline_losses(
+    blocks: list[MoE], num_blocks: int, microbatches: int, group
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The value (detached) and metrics of the losses this step's `microbatches` added in backward, over the
+    pipeline's stages (`group`: the pp ranks, every one of which calls this): the mean over microbatches of the
+    mean over the model's `num_blocks` sparse blocks, as `auxiliary_loss` gives without a pipeline. Only each
+    block's last `microbatches` forwards count: torch's first schedule step runs a stage once more on empty
+    tensors (its shapes' inference)."""
+    records = [(loss, m) for block in blocks for loss, m in block.microbatch_losses[-microbatches:]]
+    sums = torch.zeros(3, device=blocks[0].gate.weight.device if blocks else None)
+    worst = torch.zeros((), device=sums.device)
+    for loss, m in records:
+        sums += torch.stack([loss, m["aux_loss"], m["router_z_loss"]]).to(sums)
+        worst = torch.maximum(worst, m["expert_imbalance"].to(worst))
+    for block in blocks:
+        block.microbatch_losses = []
+    sums /= microbatches * num_blocks
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return sums[0], {"aux_loss": sums[1], "router_z_loss": sums[2], "expert_imbalance": worst}

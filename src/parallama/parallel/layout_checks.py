@@ -29,10 +29,11 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
-    if dims.pp > 1 and cfg.model.get("num_experts"):
+    if dims.pp > 1 and cfg.model.get("router_bias_update_rate"):
         raise ConfigError(
-            f"strategy.pp={dims.pp} with a mixture of experts (model.num_experts) is not supported: the routers' "
-            "losses do not reach a pipeline's loss; use strategy.pp=1 (ep, dp_shard and tp compose)"
+            f"model.router_bias_update_rate={cfg.model.router_bias_update_rate} with strategy.pp={dims.pp} is "
+            "not supported (the step's expert counts would include torch's shape-inference pass); use "
+            "router_aux_loss_coef or strategy.pp=1"
         )
     if dims.tp > 1 and cfg.compile and not on_gpu:
         raise ConfigError(

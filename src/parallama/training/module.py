@@ -139,18 +139,23 @@ class CausalLM(L.LightningModule):
         - otherwise a forward pass and the recipe's loss; under tensor parallel on vocab-sharded logits
           (`loss_context`: no rank gathers them).
 
-        In training the model's own losses of that forward (`auxiliary_loss`) are added on every path but the
-        pipeline's (refused there for a model that has them: parallel/layout_checks.py)."""
+        In training the model's own losses of that forward (`auxiliary_loss`) are added on every path; in a
+        pipeline, where no rank forms the whole model's loss, each stage adds its own in backward
+        (`auxiliary_loss_in_backward`) and `auxiliary_loss` gives their value."""
         layout = self.parallelism
         if layout.pipeline is not None:
+            accumulate = self.trainer.accumulate_grad_batches
+            if hasattr(self.model, "auxiliary_loss_in_backward"):  # each stage adds its own in backward
+                self.model.auxiliary_loss_in_backward(layout.pipeline.options.microbatches, accumulate)
             with layout.loss_context():
-                return layout.pipeline.loss(
+                loss = layout.pipeline.loss(
                     batch,
                     train=self.training,
-                    accumulate=self.trainer.accumulate_grad_batches,
+                    accumulate=accumulate,
                     parameters=self.parameters(),
                     cp_mesh=layout.cp_mesh,
                 )
+            return loss + self.auxiliary_loss()
         if layout.cp_mesh is not None:
             loss = self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
             return loss + self.auxiliary_loss()

@@ -40,4 +40,7 @@ def parallelize(model, options):
     set_count_group(model, options)
     if options.dims.ep > 1:
         apply_ep(model, options)
-    return llama_parallelize(model, options, block_plan=moe_block_plan)
+    model = llama_parallelize(model, options, block_plan=moe_block_plan)
+    if options.pipeline is not None:
+        model.pipeline_group = options.mesh["pp"].get_group()
+    return model

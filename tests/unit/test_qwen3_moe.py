@@ -128,3 +128,23 @@ def test_export_refuses_what_transformers_would_run_otherwise(tmp_path):
 def test_bad_moe_fields_are_one_line(override, message):
     with pytest.raises(ValueError, match=message):
         Qwen3MoeConfig(**{**SHAPE, **override})
+
+
+def test_parallama_plan_counts_total_and_active_and_what_ep_gathers():
+    """Total and active parameters; under tp the experts whole on every rank; under ep an FSDP rank gathers
+    E/ep of a block's experts (the working set's two blocks)."""
+    from parallama.cli.plan import compose, plan
+    from parallama.parallel.dims import ParallelDims
+    from parallama.parallel.layouts import Layout, estimate_layout, stage_params
+
+    args = ["model=qwen3_moe_30b_a3b", "trainer.devices=8", "strategy=model_parallel", "strategy.ep=8"]
+    result = plan(compose(args), 80, args)
+    assert (result["num_params"], result["active_params"]) == (30_532_122_624, 3_353_032_704)
+    config = Qwen3MoeConfig(**SHAPE)
+    experts = sum(p.numel() for n, p in Qwen3Moe(config).layers["0"].named_parameters() if ".experts." in n)
+    whole, tp2 = stage_params(config, ParallelDims()), stage_params(config, ParallelDims(tp=2))
+    assert 3 * config.moe_params() < tp2 < whole  # a tp rank holds the 3 sparse blocks' routers and experts
+    shape = dict(seq_len=64, micro_batch=2, precision="32-true", activation_checkpointing=False)
+    fsdp = estimate_layout(config, Layout(ParallelDims(dp_shard=4)), **shape)
+    ep = estimate_layout(config, Layout(ParallelDims(dp_shard=4, ep=4)), **shape)
+    assert fsdp.gathered - ep.gathered == 2 * (experts - experts // 4) * 4  # two blocks, fp32

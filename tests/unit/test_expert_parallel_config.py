@@ -34,6 +34,10 @@ MOE = ["strategy=model_parallel", "trainer.accelerator=cpu", "model=qwen3_moe_ti
             ["trainer.devices=2", "strategy.ep=2", "model=tiny"],
             "strategy.ep=2 shards a mixture of experts, but",
         ),
+        (
+            ["trainer.devices=2", "strategy.pp=2", "activation_checkpointing=full"],
+            "activation_checkpointing=full with strategy.pp=2 and a mixture of experts is not supported",
+        ),
     ],
 )
 def test_a_layout_that_cannot_shard_the_experts_is_one_line(overrides, message):

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from parallama.errors import ConfigError
 from parallama.parallel.dims import dims_of_config
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, stages_per_rank
+from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, ACOptions, stages_per_rank
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -29,6 +29,16 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
+    if (
+        dims.pp > 1
+        and cfg.model.get("num_experts")
+        and ACOptions.of(cfg.get("activation_checkpointing")).enabled
+    ):
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing} with strategy.pp={dims.pp} and a mixture of "
+            "experts is not supported (a stage's recomputed forward would add its router losses to the log "
+            "again); use activation_checkpointing=none or strategy.pp=1"
+        )
     if dims.pp > 1 and cfg.model.get("router_bias_update_rate"):
         raise ConfigError(
             f"model.router_bias_update_rate={cfg.model.router_bias_update_rate} with strategy.pp={dims.pp} is "

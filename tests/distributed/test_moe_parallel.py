@@ -5,7 +5,8 @@ backward) (4 ranks), and without experts sharded cp=2 and ddp at 2 ranks, each e
 the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
 at every step: the balancing counts are the global batch's in every layout (with each rank's own counts instead,
 ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of ep=2 x
-dp_shard=2 resumed as one process, and one process's resumed as ep=2, equal the uninterrupted run at step 6."""
+dp_shard=2 resumed as one process, and one process's resumed as ep=2, equal the uninterrupted run at step 6. With
+DeepSeek-V3's loss-free balancing instead, ep=2 moves the routers' biases as one process does."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
     "cp2": (2, [MP, "strategy.cp=2", "data.batch_size=8"]),  # the balancing counts add up over cp ranks too
     "ddp": (2, ["strategy=ddp", "data.batch_size=4"]),
 }
+BIAS = [
+    "model.router_bias_update_rate=0.01",
+    "model.router_aux_loss_coef=0",
+]  # DeepSeek-V3's loss-free balancing
 RESUMES = {  # name: (source run, ranks, overrides)
     "ep2_dp_shard2_to_1": ("ep2_dp_shard2", 1, ["data.batch_size=8"]),
     "1_to_ep2": ("ref", 2, [MP, "strategy.ep=2", "data.batch_size=4"]),
@@ -70,6 +75,8 @@ def runs(tmp_path_factory, data_cache) -> dict:
     run("ref", 1, 2 * STEPS, "data.batch_size=8", *every_3_steps)
     for name, (ranks, args) in PARITY.items():
         run(name, ranks, STEPS, *args)
+    run("ref_bias", 1, STEPS, "data.batch_size=8", *BIAS)
+    run("ep2_bias", 2, STEPS, MP, "strategy.ep=2", "data.batch_size=4", *BIAS)
     for name, (source, ranks, args) in RESUMES.items():
         ckpt = tmp / source / "checkpoints" / ("last.ckpt" if source != "ref" else f"step{STEPS:07d}.ckpt")
         run(name, ranks, 2 * STEPS, *args, f"ckpt_path={ckpt}")
@@ -117,3 +124,14 @@ def test_a_moe_run_resumes_under_another_ep_size_exactly(runs, name):
             )
     data, ref_data = got.client["TextDataModule"], want.client["TextDataModule"]
     assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * 8)
+
+
+def test_loss_free_balancing_moves_the_same_biases_under_ep(runs):
+    """The routers' biases move by the step's global tokens per expert: ep=2 ends with one process's biases
+    (and weights; export refuses the biases, so the checkpoints are compared)."""
+    want = universal.read(runs / "ref_bias" / "checkpoints" / "last.ckpt").model
+    got = universal.read(runs / "ep2_bias" / "checkpoints" / "last.ckpt").model
+    biases = [k for k in want if k.endswith("gate.expert_bias")]
+    assert biases and all(want[k].abs().min() > 0 for k in biases)  # they moved (3 steps of +-0.01 or 0)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, atol=TOLERANCE, rtol=0, msg=key)

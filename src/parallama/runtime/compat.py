@@ -364,11 +364,13 @@ def forward_only(schedule):
 
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """Rows of `x` sorted by group, group g (rows offsets[g-1]:offsets[g]) times w[g].T: torch's grouped GEMM on
-    CPU and in bf16 (its kernels there), else one matmul per group. Its CPU backward fails on no rows."""
+    """Rows of `x` sorted by group, group g (rows offsets[g-1]:offsets[g]) times w[g].T: torch's grouped GEMM in
+    bf16 and on CPU (its kernels there), else one matmul per group. Its CPU backward fails on no rows; under
+    torch.compile its shape function takes bf16 only (torch 2.13), also where the CPU kernel runs fp32."""
     import torch
 
-    if x.shape[0] and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x.shape[0] and (cpu or x.dtype == torch.bfloat16):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     bounds = [0, *offsets.tolist()]
     return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])

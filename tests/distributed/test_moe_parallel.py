@@ -1,5 +1,6 @@
 """Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
-(load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks), ep=2 x dp_shard=2 and ep=2 x tp=2
+(load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation
+checkpointing: the all-to-alls run again in backward), ep=2 x dp_shard=2 and ep=2 x tp=2
 with and without sequence parallel, pp=2 x ep=2 (gpipe, one microbatch: the stages add their router losses in
 backward) (4 ranks), and without experts sharded cp=2 and ddp at 2 ranks, each end with
 the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
@@ -27,6 +28,10 @@ MOE = ["model=qwen3_moe_tiny", "model.hidden_size=64", "model.intermediate_size=
 MP = "strategy=model_parallel"
 PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 8
     "ep2": (2, [MP, "strategy.ep=2", "data.batch_size=4"]),
+    "ep2_full_ac": (
+        2,
+        [MP, "strategy.ep=2", "activation_checkpointing=full", "data.batch_size=4"],
+    ),  # a2a again
     "ep2_dp_shard2": (4, [MP, "strategy.ep=2", "data.batch_size=2"]),
     "ep2_tp2": (4, [MP, "strategy.ep=2", "strategy.tp=2", "data.batch_size=4"]),
     "ep2_tp2_sp": (

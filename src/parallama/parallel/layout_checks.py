@@ -62,6 +62,13 @@ def _check_expert_parallel(cfg: DictConfig, ep: int) -> None:
         )
     if experts % ep:
         raise ConfigError(f"strategy.ep={ep} must divide model.num_experts={experts}")
+    policy = (cfg.get("activation_checkpointing_policy") or {}).get("mode", "op")
+    if ACOptions.of(cfg.get("activation_checkpointing")).mode == "selective" and policy == "op":
+        raise ConfigError(
+            f"activation_checkpointing=selective (activation_checkpointing_policy.mode=op) with strategy.ep={ep} "
+            "is not supported (the experts' own FSDP gathers differ between forward and its recomputation: "
+            "torch's per-op checkpoint fails); use activation_checkpointing=full or the every_n policy"
+        )
 
 
 def _check_pipeline(cfg: DictConfig, pp: int) -> None:

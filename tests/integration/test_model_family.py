@@ -94,12 +94,13 @@ def test_a_family_outside_parallama_trains_resumes_and_generates(tmp_path, data_
 
 
 def test_an_unknown_family_is_one_line():
-    assert families() == ["llama", "qwen3"]
+    assert families() == ["llama", "qwen3", "qwen3_moe"]
     try:
         model_spec({"family": "gpt9"})
     except ConfigError as err:
         assert str(err) == (
-            "model.family=gpt9 is not a model family; valid: llama, qwen3 (or the module path of one outside parallama)"
+            "model.family=gpt9 is not a model family; valid: llama, qwen3, qwen3_moe (or the module path of one outside "
+            "parallama)"
         )
     else:
         raise AssertionError("no error")

@@ -133,6 +133,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         for name, layout in layouts.items():
             rows[c][name]["layout"] = layout.describe()
     result = dict(num_params=config.num_params(), **shape, precision=precision, gpu_memory_gb=gpu_memory_gb)
+    if hasattr(config, "active_params"):  # a mixture of experts: what one token runs through
+        result["active_params"] = config.active_params()
     result.update(activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt])
     result.update(estimates_selective=rows["selective"], estimates_checkpointing=rows[True])
     result["recommendation"] = None
@@ -210,6 +212,8 @@ def show(result: dict) -> None:
     for k in more:
         columns += ["total w/ " + ("sel. ckpt" if k == "selective" else "ckpt"), "fits"]
     title = f"Per-GPU memory (GiB), {result['num_params'] / 1e9:.3g} B parameters"
+    if "active_params" in result:
+        title += f" ({result['active_params'] / 1e9:.3g} B active per token)"
     table = Table("strategy", *(Column(c, justify="right") for c in columns), title=title)
     for name, e in result["estimates"].items():
         label = f"{name}\n  {e['layout']}" if "layout" in e else name

@@ -23,6 +23,12 @@ class DecoderModel(Protocol):
         `("embed_tokens",)` / `("norm", "lm_head")`): the first / last pipeline stage holds them, the others hold
         None there and pass hidden states through.
     shared_modules: what every stage keeps (buffers derived from the config: the rotary tables).
+
+    Optional (models/qwen3_moe): `auxiliary_loss() -> (loss, {name: metric})`, the model's own training losses of
+    its last forward, which `CausalLM` adds to the recipe's loss on every path and logs as `train/<name>`;
+    `auxiliary_loss_in_backward(microbatches, accumulate)`, called before a pipeline's step (each stage then adds
+    its own in backward, and `auxiliary_loss` gives their value); and `after_optimizer_step()`, called after each
+    optimizer step (loss-free expert balancing).
     """
 
     config: Any

@@ -128,19 +128,9 @@ def apply_fsdp(
     gradients in fp32, keep fp32 master weights. cpu_offload: sharded parameters, gradients and optimizer
     state live in CPU memory.
     """
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    kwargs: dict = {"mesh": mesh}
-    if mixed_precision is not None:
-        dtype = MIXED_PRECISION_DTYPES[mixed_precision]
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if cpu_offload:  # pinned host memory (faster copies) needs an accelerator; on CPU the shards stay put
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    kwargs = fsdp_kwargs(mesh, mixed_precision, cpu_offload)
     for i, block in enumerate(model.layers.values()):
         # The last block's parameters are needed again right away by backward: keep them gathered.
         reshard = reshard_after_forward and i < len(model.layers) - 1
@@ -149,6 +139,19 @@ def apply_fsdp(
     # `head` is called apart from forward (loss.impl=fused): FSDP's hooks gather the head's weight for it too
     if hasattr(model, "head"):
         register_fsdp_forward_method(model, "head")
+
+
+def fsdp_kwargs(mesh, mixed_precision: str | None = None, cpu_offload: bool = False) -> dict:
+    """`fully_shard`'s mesh, mixed precision and offload policies (see `apply_fsdp`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs: dict = {"mesh": mesh}
+    if mixed_precision is not None:
+        dtype = MIXED_PRECISION_DTYPES[mixed_precision]
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if cpu_offload:  # pinned host memory (faster copies) needs an accelerator; on CPU the shards stay put
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    return kwargs
 
 
 def checkpoint_forward(block: nn.Module, *, selective: bool = False) -> None:

@@ -6,12 +6,17 @@ the model states: ZeRO / FSDP), `cp` (context: a sample's sequence split) and `t
 split). Their product is the world size. A batch belongs to a data-parallel rank, a coordinate of
 (dp_replicate, dp_shard): the ranks that differ only in pp, cp or tp see the same batch. Everything that
 counts data (the sampler, the global batch, tokens seen, throughput and MFU, the planner) asks `ParallelDims`.
+
+Expert parallelism (`ep`, mixture-of-experts models) is not a dimension of its own: it borrows ranks from
+`dp_shard`, which splits into (`dp_shard // ep`, `ep`), `ep` innermost. The ep ranks of a group hold other tokens
+and each holds 1/ep of every block's experts (parallel/experts.py); the experts' shards are FSDP-sharded over
+the `dp_shard // ep` ranks (and replicated over `dp_replicate`), the other parameters over all of `dp_shard`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from parallama.errors import ConfigError
 
@@ -25,6 +30,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # borrowed from dp_shard (not in DIMS, not in world_size)
 
     @classmethod
     def resolve(
@@ -36,6 +42,7 @@ class ParallelDims:
         cp: int = 1,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """The sizes for `world_size` ranks; one of the dp sizes may be -1, "the rest". Sizes that do not
         multiply out to the world size are one line naming them (`strategy.<dim>`)."""
@@ -67,7 +74,16 @@ class ParallelDims:
                 f"the layout {shape} is {dims.world_size} ranks, but the world size is {world_size} "
                 "(trainer.devices x trainer.num_nodes); set one dp size to -1 to take the rest"
             )
-        return dims
+        if not (type(ep) is int and ep >= 1):
+            raise ConfigError(f"strategy.ep={ep!r} is not valid; use an integer >= 1")
+        if dims.dp_shard % ep:
+            raise ConfigError(
+                f"strategy.ep={ep} must divide strategy.dp_shard={dims.dp_shard} (expert parallelism shards the "
+                f"experts over data-parallel ranks: {world_size} ranks give dp_shard={dims.dp_shard})"
+            )
+        if ep > 1 and cp > 1:
+            raise ConfigError(f"strategy.ep={ep} with strategy.cp={cp} is not supported; use one of them")
+        return replace(dims, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -98,7 +114,19 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def sizes(self) -> dict[str, int]:
-        return asdict(self)
+        """The mesh's sizes, and `ep` where experts are sharded (what a checkpoint records)."""
+        sizes = asdict(self)
+        if self.ep == 1:
+            del sizes["ep"]
+        return sizes
+
+    def build_expert_mesh(self, device_type: str):
+        """The mesh of the experts' parameters: DIMS with dp_shard split into (dp_shard_mod_ep, ep)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     def build_mesh(self, device_type: str):
         """torch's DeviceMesh over every dimension, named as DIMS (call it once the process group exists)."""
@@ -137,5 +165,5 @@ def dims_of_config(cfg) -> ParallelDims:
     split as the strategy's dimension keys say (strategies without them: every rank is data-parallel)."""
     trainer, strategy = cfg.trainer, cfg.get("strategy") or {}
     world = processes_per_node(trainer.devices, trainer.get("accelerator", "auto")) * trainer.num_nodes
-    given = {name: strategy[name] for name in DIMS if name in strategy}
+    given = {name: strategy[name] for name in (*DIMS, "ep") if name in strategy}
     return ParallelDims.resolve(world, **given)

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from parallama.errors import ConfigError
 from parallama.parallel.dims import dims_of_config
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, stages_per_rank
+from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, ACOptions, stages_per_rank
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -27,10 +27,47 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         )
     if dims.tp > 1:
         _check_tensor_parallel(cfg, dims.tp)
+    if dims.ep > 1:
+        _check_expert_parallel(cfg, dims.ep)
+    if (
+        dims.pp > 1
+        and cfg.model.get("num_experts")
+        and ACOptions.of(cfg.get("activation_checkpointing")).enabled
+    ):
+        raise ConfigError(
+            f"activation_checkpointing={cfg.activation_checkpointing} with strategy.pp={dims.pp} and a mixture of "
+            "experts is not supported (a stage's recomputed forward would add its router losses to the log "
+            "again); use activation_checkpointing=none or strategy.pp=1"
+        )
+    if dims.pp > 1 and cfg.model.get("router_bias_update_rate"):
+        raise ConfigError(
+            f"model.router_bias_update_rate={cfg.model.router_bias_update_rate} with strategy.pp={dims.pp} is "
+            "not supported (the step's expert counts would include torch's shape-inference pass); use "
+            "router_aux_loss_coef or strategy.pp=1"
+        )
     if dims.tp > 1 and cfg.compile and not on_gpu:
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
             "the loss after one step differs from eager's by 2e-2); use compile=false on CPU"
+        )
+
+
+def _check_expert_parallel(cfg: DictConfig, ep: int) -> None:
+    """Each ep rank holds num_experts / ep of every block's experts."""
+    experts = cfg.model.get("num_experts")
+    if experts is None:
+        raise ConfigError(
+            f"strategy.ep={ep} shards a mixture of experts, but model.family={cfg.model.get('family', 'llama')} "
+            "has none (model.num_experts); use strategy.ep=1 or an MoE model (model=qwen3_moe_tiny)"
+        )
+    if experts % ep:
+        raise ConfigError(f"strategy.ep={ep} must divide model.num_experts={experts}")
+    policy = (cfg.get("activation_checkpointing_policy") or {}).get("mode", "op")
+    if ACOptions.of(cfg.get("activation_checkpointing")).mode == "selective" and policy == "op":
+        raise ConfigError(
+            f"activation_checkpointing=selective (activation_checkpointing_policy.mode=op) with strategy.ep={ep} "
+            "is not supported (the experts' own FSDP gathers differ between forward and its recomputation: "
+            "torch's per-op checkpoint fails); use activation_checkpointing=full or the every_n policy"
         )
 
 

@@ -54,9 +54,19 @@ class Layout:
 
 def _block(c, tp: int) -> tuple[int, int]:
     """Parameters of one decoder block a tp rank holds: (the matmuls' share, the norms), as the family's config
-    counts them (`block_params`: a family's head_dim and extra norms included)."""
+    counts them (`block_params`: a family's head_dim and extra norms included). A mixture of experts
+    (`moe_params`: router and experts) is whole on every tp rank."""
     matmuls, norms = c.block_params()
-    return matmuls // tp, norms
+    moe = c.moe_params() if hasattr(c, "moe_params") else 0
+    return (matmuls - moe) // tp + moe, norms
+
+
+def _gathered_experts_saved(c, ep: int) -> int:
+    """Parameters of one sparse block's experts that an ep rank does not gather (it holds E/ep of them)."""
+    if ep == 1 or not hasattr(c, "moe_params"):
+        return 0
+    experts = c.moe_params() - c.num_experts * c.hidden_size  # the router is everyone's
+    return experts - experts // ep
 
 
 def _root(c, dims: ParallelDims) -> int:
@@ -109,7 +119,8 @@ def estimate_layout(
     # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working"); a
     # zero-bubble schedule keeps the whole stage gathered from forward to backward
     gathered_layers = layers if layout.pp_schedule in ZERO_BUBBLE and dims.pp > 1 else min(2, layers)
-    gathered = (_root(c, dims) + gathered_layers * (matmuls + norms)) * (per[3] or per[0])
+    gathered_block = matmuls + norms - _gathered_experts_saved(c, dims.ep)
+    gathered = (_root(c, dims) + gathered_layers * gathered_block) * (per[3] or per[0])
     if (
         shard > 1 and float8 == "tensorwise"
     ):  # the blocks' matmul weights gathered in float8 (plan.float8_gathered)

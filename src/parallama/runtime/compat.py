@@ -103,6 +103,14 @@ INTERNALS = [
         "a public DeviceMesh.flatten",
         "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/device_mesh.py",
     ),
+    Internal(
+        "torch",
+        ("_grouped_mm",),
+        "a mixture of experts runs every expert on its tokens in one grouped GEMM (models/moe.py), as torchtitan "
+        "does; where it has no kernel for the device and dtype (CUDA below bf16) one matmul per expert instead",
+        "a public grouped matmul (torch.nn.functional.grouped_mm)",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/aten/src/ATen/native/native_functions.yaml",
+    ),
 ]
 DEEPSPEED_INTERNALS = [
     Internal(
@@ -353,3 +361,16 @@ def forward_only(schedule):
         yield
     finally:
         schedule.pipeline_order_with_comms = original
+
+
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """Rows of `x` sorted by group, group g (rows offsets[g-1]:offsets[g]) times w[g].T: torch's grouped GEMM in
+    bf16 and on CPU (its kernels there), else one matmul per group. Its CPU backward fails on no rows; under
+    torch.compile its shape function takes bf16 only (torch 2.13), also where the CPU kernel runs fp32."""
+    import torch
+
+    cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x.shape[0] and (cpu or x.dtype == torch.bfloat16):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    bounds = [0, *offsets.tolist()]
+    return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])

@@ -63,6 +63,7 @@ class CausalLM(L.LightningModule):
             1  # the replicas a step trains on (tokens seen count them), set when fit starts
         )
         self.tokenizer_json: str | None = None  # stored in checkpoints so they are self-contained
+        self.auxiliary_metrics: dict = {}  # the model's auxiliary losses' metrics of the last training step
         self.context_parallel = (
             ContextParallelStep()
         )  # the ring-attention context of a step, open until backward
@@ -118,6 +119,15 @@ class CausalLM(L.LightningModule):
             loss = self.loss_fn(logits, batch["labels"])
         return loss
 
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """The model's own training losses of its last forward (a mixture of experts' router losses:
+        models/moe.py), collected after it by `step_loss`; kept with their metrics for `training_step` to log.
+        0 for a model without them (the contract's optional `auxiliary_loss`) and outside training."""
+        if not (torch.is_grad_enabled() and hasattr(self.model, "auxiliary_loss")):
+            return 0.0
+        loss, self.auxiliary_metrics = self.model.auxiliary_loss()
+        return loss
+
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
         rank's part of them, on every path (a pipeline's last stage, a context-parallel rank's part of each
@@ -137,21 +147,30 @@ class CausalLM(L.LightningModule):
         - context parallel (`strategy.cp` > 1): each rank's part of every sequence under ring attention, whose
           context stays open until `backward` has run back through it;
         - otherwise a forward pass and the recipe's loss; under tensor parallel on vocab-sharded logits
-          (`loss_context`: no rank gathers them)."""
+          (`loss_context`: no rank gathers them).
+
+        In training the model's own losses of that forward (`auxiliary_loss`) are added on every path; in a
+        pipeline, where no rank forms the whole model's loss, each stage adds its own in backward
+        (`auxiliary_loss_in_backward`) and `auxiliary_loss` gives their value."""
         layout = self.parallelism
         if layout.pipeline is not None:
+            accumulate = self.trainer.accumulate_grad_batches
+            if hasattr(self.model, "auxiliary_loss_in_backward"):  # each stage adds its own in backward
+                self.model.auxiliary_loss_in_backward(layout.pipeline.options.microbatches, accumulate)
             with layout.loss_context():
-                return layout.pipeline.loss(
+                loss = layout.pipeline.loss(
                     batch,
                     train=self.training,
-                    accumulate=self.trainer.accumulate_grad_batches,
+                    accumulate=accumulate,
                     parameters=self.parameters(),
                     cp_mesh=layout.cp_mesh,
                 )
+            return loss + self.auxiliary_loss()
         if layout.cp_mesh is not None:
-            return self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
+            loss = self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
+            return loss + self.auxiliary_loss()
         with layout.loss_context():
-            return self.loss(batch)
+            return self.loss(batch) + self.auxiliary_loss()
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         """Lightning's hook, called by the precision plugin between its own pre- and post-backward steps."""
@@ -179,11 +198,21 @@ class CausalLM(L.LightningModule):
                 "scheduler.warmup_steps, and resume from the last good checkpoint"
             )
         self.tokens_seen += batch["input_ids"].numel() * self.data_parallel_size
-        self.log(
-            "train/loss", mean
-        )  # not prog_bar, and a CPU tensor below: neither waits for a GPU (syncs.py)
+        # not prog_bar, and CPU tensors: neither waits for a GPU (training/syncs.py)
+        self.log("train/loss", mean)
         self.log("train/tokens_seen", torch.tensor(float(self.tokens_seen)))
+        if metrics := self.auxiliary_metrics:  # the same value on every rank: their mean
+            means = self.replica_mean(torch.stack(list(metrics.values())))
+            for name, value in zip(metrics, means):
+                self.log(f"train/{name}", value)
         return loss
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """Lightning's hook; then the model's own update after a step (the contract's optional
+        `after_optimizer_step`: loss-free expert balancing moves its router biases)."""
+        super().optimizer_step(*args, **kwargs)
+        if hasattr(self.model, "after_optimizer_step"):
+            self.model.after_optimizer_step()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a

@@ -35,6 +35,10 @@ class LlamaConfig:
         "mlp.down_proj",
     )
 
+    training_fields = (
+        "initializer_range",
+    )  # fields that change training only: init_from does not compare them
+
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008

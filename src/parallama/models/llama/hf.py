@@ -132,12 +132,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     )
 
 
-def load_hf_weights(model: Llama, path: str | os.PathLike) -> None:
+def load_hf_weights(model: Llama, path: str | os.PathLike, *, convert=None) -> None:
     """Copy a HF folder's weights into `model`, whose config must match the folder's (read as the model's config
-    class: its family's model_type and fields)."""
+    class: its family's model_type and fields, but those that change training only, `training_fields`).
+    `convert`: the family's mapping of the folder's tensors (our names) onto its own (models/qwen3_moe)."""
     theirs = load_hf_config(path, type(model.config))
     for f in fields(theirs):
-        if f.name != "initializer_range" and getattr(theirs, f.name) != getattr(model.config, f.name):
+        if f.name not in theirs.training_fields and getattr(theirs, f.name) != getattr(model.config, f.name):
             raise ConfigError(
                 f"init_from={path} has {f.name}={getattr(theirs, f.name)} but model.{f.name}="
                 f"{getattr(model.config, f.name)}; set model.{f.name} to match"
@@ -149,6 +150,8 @@ def load_hf_weights(model: Llama, path: str | os.PathLike) -> None:
         except (SafetensorError, OSError) as err:
             raise ConfigError(f"init_from file {file} is truncated or corrupt ({err})") from None
     ours = {k.removeprefix("model."): v for k, v in hf.items()}
+    if convert is not None:
+        ours = convert(ours)
     if model.config.tie_word_embeddings:
         ours["lm_head.weight"] = ours.get("embed_tokens.weight")
     load_state_into(model, ours, source=f"init_from={path}")

@@ -148,13 +148,15 @@ class DecoderLayer(nn.Module):
 
     Its parts are class attributes, so that a family that differs in one of them subclasses and replaces it
     (models/qwen3: `attention = Qwen3Attention`) instead of copying this file. They are not named `self_attn`
-    and `mlp`: those are the modules built from them, named as in Hugging Face checkpoints."""
+    and `mlp`: those are the modules built from them, named as in Hugging Face checkpoints. `layer_idx`: the
+    block's index, for a family whose blocks differ (models/qwen3_moe: experts in some, a dense MLP in others)."""
 
     attention: type[nn.Module] = Attention
     feed_forward: type[nn.Module] = MLP
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = self.attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -180,7 +182,7 @@ class Llama(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # Keyed by index, not a list: a pipeline stage that keeps layers 4-7 still names them layers.4-7.
-        layers = {str(i): self.decoder_layer(config) for i in range(config.num_hidden_layers)}
+        layers = {str(i): self.decoder_layer(config, i) for i in range(config.num_hidden_layers)}
         self.layers = nn.ModuleDict(layers)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

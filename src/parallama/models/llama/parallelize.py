@@ -175,6 +175,10 @@ def apply_tp(
         model.lm_head.weight = model.embed_tokens.weight
     for key, block in model.layers.items():
         plan = block_plan(sequence_parallel=sequence_parallel, between=between)
+        modules = dict(
+            block.named_modules()
+        )  # a family's blocks may differ (models/qwen3_moe: MLP or experts)
+        plan = {name: style for name, style in plan.items() if name in modules}
         if float8:
             plan = {name: float8_tp_style(style) for name, style in plan.items()}
         replicated |= {f"layers.{key}.{name}" for name, style in plan.items() if style is REPLICATED}

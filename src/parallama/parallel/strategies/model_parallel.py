@@ -34,6 +34,7 @@ class ModelParallel(FSDP2):
     sequence_parallel: with tp > 1, the norms and the activations between blocks are split on the sequence.
     pp, pp_schedule, pp_microbatches, pp_stages_per_rank: pipeline stages and their schedule.
     cp: context parallel (each sample's sequence split across ranks).
+    ep: expert parallel (a mixture of experts' experts split across ep of the dp_shard ranks: parallel/experts.py).
     """
 
     name = "model_parallel"
@@ -57,6 +58,7 @@ class ModelParallel(FSDP2):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         sequence_parallel: bool = False,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
@@ -76,7 +78,14 @@ class ModelParallel(FSDP2):
             save_distributed_checkpoint=save_distributed_checkpoint,
             **kwargs,
         )
-        self.sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
+        self.sizes = {
+            "dp_replicate": dp_replicate,
+            "dp_shard": dp_shard,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "ep": ep,
+        }
         self.sequence_parallel = sequence_parallel
         self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank = (
             pp_schedule,

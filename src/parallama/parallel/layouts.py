@@ -23,7 +23,14 @@ from dataclasses import dataclass, replace
 
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import ZERO_BUBBLE
-from parallama.parallel.plan import FP32, Estimate, activation_bytes, state_bytes
+from parallama.parallel.plan import (
+    FP32,
+    Estimate,
+    activation_bytes,
+    moe_activation_bytes,
+    state_bytes,
+    with_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -124,9 +131,10 @@ def estimate_layout(
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
     kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel)
-    stage = replace(c, num_hidden_layers=layers)
+    stage = with_layers(c, layers)
     blocks = activation_bytes(stage, tokens, e, e, activation_checkpointing, head=False, **kwargs)
     head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
+    blocks += moe_activation_bytes(stage, tokens, e, activation_checkpointing, tp=dims.tp, ep=dims.ep)
     if dims.pp == 1:
         acts = blocks + head
     else:  # the first stage's micro-batches in flight, or the last stage's one with the head (with
@@ -168,8 +176,36 @@ def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: 
                 replicas = [nodes] if node_replicas else []
                 for dp_replicate in [*replicas, 1]:
                     dims = ParallelDims(dp_replicate, rest // dp_replicate, cp, tp, pp)
-                    found.append(Layout(dims, sequence_parallel=tp > 1 and (seq_len // cp) % tp == 0))
+                    sp = tp > 1 and (seq_len // cp) % tp == 0
+                    found += [
+                        Layout(replace(dims, ep=ep), sp) for ep in expert_parallel(c, dims, gpus_per_node)
+                    ]
     return sorted(found, key=lambda x: (x.dims.pp, x.dims.cp, x.dims.tp, -x.dims.dp_replicate))
+
+
+def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
+    """The ep sizes a layout is tried with, largest first: for a mixture of experts those that divide dp_shard
+    and num_experts with the ep group (ep x tp ranks) inside a node, without cp (ep with cp is not supported);
+    [1] for a dense model. The largest ep all-gathers the fewest experts (none at ep = dp_shard): FSDP moves a
+    block's every expert twice a step where the all-to-alls move 4 top_k h values per token."""
+    if not hasattr(c, "num_experts") or dims.cp > 1:
+        return [1]
+    fit = [
+        ep
+        for ep in divisors(dims.dp_shard)
+        if c.num_experts % ep == 0 and gpus_per_node % (ep * dims.tp) == 0
+    ]
+    return sorted(fit, reverse=True)
+
+
+def supported(c, layout: Layout, checkpointing) -> bool:
+    """What parallel/layout_checks.py refuses for a mixture of experts under a pipeline: activation
+    checkpointing, and loss-free balancing at all."""
+    from parallama.parallel.options import ACOptions
+
+    if layout.dims.pp == 1 or not hasattr(c, "num_experts"):
+        return True
+    return not ACOptions.of(checkpointing).enabled and not c.router_bias_update_rate
 
 
 def search(
@@ -194,6 +230,6 @@ def search(
             ckpt: estimate_layout(c, layout, activation_checkpointing=ckpt, **shape) for ckpt in checkpointing
         }
         for ckpt in checkpointing:
-            if plans[ckpt].fits(gpu_memory_gb):
+            if plans[ckpt].fits(gpu_memory_gb) and supported(c, layout, ckpt):
                 return layout, ckpt, plans
     return None, None, {}

@@ -186,9 +186,11 @@ def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, 
     """What a mixture of experts (models/moe.py) saves beyond the dense MLP `activation_bytes` counts in each of
     its sparse blocks (whose `4 i e / tp` per token it replaces), and the all-to-all buffers of expert parallelism.
 
-    Per token and sparse block, whole on every tp rank: the router's logits and scores in fp32 (2 E x 4), the
-    token's top_k copies going into the experts and their outputs coming back (2 k h e), the experts' gate, up,
-    silu(gate) and product (4 k i e, i = moe_intermediate_size). Full checkpointing: one block recomputing
+    Per token and sparse block, whole on every tp rank: the router's logits and scores in fp32 (2 E x 4) and its
+    choices (k int64 experts, k weights, their sum); per copy of the token (k of them) its two int64 indices
+    and its weight, the copy going into the experts, its output and its weighted output (index_add_ keeps its
+    source): 3 k h e, and the experts' gate, up, silu(gate) and product (4 k i e, i = moe_intermediate_size).
+    Full checkpointing: one block recomputing
     that; selective per-op: a block keeps the router's matmul output (E e; torch._grouped_mm is not among the
     saved ops) where the dense one kept gate and up, plus one block recomputing. Under ep (> 1) one block's
     dispatch and combine hold a send and a receive buffer of k h e per token at once (balanced routing: a rank
@@ -199,7 +201,8 @@ def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, 
     if not sparse:
         return 0
     k, h, i = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-    moe = 2 * c.num_experts * 4 + (2 * k * h + 4 * k * i) * e
+    router = 2 * c.num_experts * 4 + k * (8 + 4) + 4
+    moe = router + k * (2 * 8 + e) + (3 * k * h + 4 * k * i) * e
     dense = 4 * c.intermediate_size * e // tp
     ac = ACOptions.of(checkpointing)
     if ac.mode == "none":

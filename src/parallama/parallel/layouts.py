@@ -14,6 +14,9 @@ bf16 compute copies):
   stages per rank) times that; DualPipeV: pp + 1). The zero-bubble schedules keep the stage's parameters gathered.
 - cp: the tokens of each sample (all activations), and, FSDP running over dp_shard x cp, the states too.
 - dp_shard (x cp): FSDP shards what a rank holds after tp and pp; dp_replicate does not divide anything.
+- ep (a mixture of experts, borrowed from dp_shard): E/ep experts FSDP-sharded over dp_shard / ep, the same
+  share of the states; the working set gathers E/ep of a block's experts; one block's all-to-all buffers
+  (plan.moe_activation_bytes). Tried largest first with every layout (`expert_parallel`).
 """
 
 from __future__ import annotations
@@ -186,8 +189,9 @@ def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: 
 def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
     """The ep sizes a layout is tried with, largest first: for a mixture of experts those that divide dp_shard
     and num_experts with the ep group (ep x tp ranks) inside a node, without cp (ep with cp is not supported);
-    [1] for a dense model. The largest ep all-gathers the fewest experts (none at ep = dp_shard): FSDP moves a
-    block's every expert twice a step where the all-to-alls move 4 top_k h values per token."""
+    [1] for a dense model. The largest ep all-gathers the fewest experts (none at ep = dp_shard): FSDP gathers a
+    block's every expert twice a step and reduce-scatters its gradients, where the all-to-alls move 4 top_k h
+    values per token (docs/strategies.md)."""
     if not hasattr(c, "num_experts") or dims.cp > 1:
         return [1]
     fit = [

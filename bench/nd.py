@@ -1,12 +1,16 @@
 """`nd`: N-D parallel layouts side by side: step time and bytes communicated per optimizer step, as ratios to FSDP.
 
 Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
-(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through the Llama's own plan
-(`models/llama/parallelize.parallelize` with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
+(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through its family's own plan
+(the Llama's `models/llama/parallelize.parallelize`, with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
 a data-parallel rank trains global batch / dp samples, the tp and pp ranks of a batch share it. Pipeline layouts
 split the model into pp stages in the plan and train through `parallel.pipeline.Pipeline` (the schedule's
 forward and backward over microbatches, the loss on the last stage), as the strategy does. Layouts alternate for
 `--repeats` rounds; ratios are medians of the per-round ratios.
+
+A mixture of experts (`--model qwen3_moe_tiny`) adds
+its routers' losses to the step and the `ep` layouts; its tokens' all-to-alls are counted apart as dispatch and
+combine (`expert_bytes`).
 
 Bytes: one profiled step after the timed ones, what a rank hands to the communication backend (the input of
 every `gloo:*` / `nccl:*` call, DTensor's, FSDP2's and the pipeline's alike), averaged over the ranks (pipeline
@@ -286,7 +290,11 @@ def run(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny", help="a conf/model preset (heads must divide by 2 for tp)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a conf/model preset (heads must divide by 2 for tp; qwen3_moe_tiny: the ep layouts)",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp, hsdp and pp x tp)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(

@@ -18,7 +18,15 @@ from parallama.models.qwen3_moe.model import Qwen3Moe
 from parallama.parallel.blocks import apply_ac
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layout_checks import check_layout
-from parallama.parallel.layouts import Layout, estimate_layout, expert_parallel, search, supported
+from parallama.parallel.layouts import (
+    Layout,
+    estimate_layout,
+    expert_padding,
+    expert_parallel,
+    search,
+    stage_params,
+    supported,
+)
 from parallama.parallel.plan import estimate, moe_activation_bytes, prefer_expert_parallel, profiles
 
 DDP = {"ddp": profiles()["ddp"]}
@@ -89,7 +97,9 @@ def test_the_search_tries_ep_largest_first_within_a_node_where_it_divides():
     assert expert_parallel(A3B, ParallelDims(dp_shard=8), 8) == [8, 4, 2, 1]
     assert expert_parallel(A3B, ParallelDims(dp_shard=4, tp=2), 8) == [4, 2, 1]  # ep x tp ranks in a node
     assert expert_parallel(A3B, ParallelDims(dp_shard=16), 8) == [8, 4, 2, 1]  # not across nodes
-    assert expert_parallel(replace(A3B, num_experts=6, num_experts_per_tok=2), ParallelDims(dp_shard=8), 8) == [2, 1]
+    assert expert_parallel(
+        replace(A3B, num_experts=6, num_experts_per_tok=2), ParallelDims(dp_shard=8), 8
+    ) == [2, 1]
     assert expert_parallel(A3B, ParallelDims(dp_shard=4, cp=2), 8) == [1]  # ep with cp: not supported
     from parallama.models.llama.config import LlamaConfig
 
@@ -166,3 +176,16 @@ def test_layouts_that_do_not_divide_are_one_line(capsys, layout, message):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err
+
+
+def test_more_ranks_than_experts_hold_a_padded_expert_each():
+    """FSDP2 shards a block's stacked experts on the expert dimension: 128 experts over 256 ranks leave each
+    rank a whole (padded) expert per block, half an expert more than 128 / 256 (also with ep=8: 16 over 32)."""
+    per_expert = 3 * A3B.hidden_size * A3B.moe_intermediate_size
+    for ep in (1, 8):
+        assert expert_padding(A3B, ParallelDims(dp_shard=128, ep=ep)) == 0
+        dims = ParallelDims(dp_shard=256, ep=ep)
+        assert expert_padding(A3B, dims) == 48 * per_expert // 2
+        e = estimate_layout(A3B, Layout(dims), **SHAPE, activation_checkpointing=False)
+        assert e.params == -(-stage_params(A3B, dims) * 4 // 256) + 48 * per_expert // 2 * 4
+    assert expert_padding(A3B, ParallelDims(dp_shard=256, pp=2)) == 24 * per_expert // 2  # a stage's blocks

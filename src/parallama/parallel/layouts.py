@@ -31,6 +31,7 @@ from parallama.parallel.plan import (
     Estimate,
     activation_bytes,
     moe_activation_bytes,
+    sparse_blocks,
     state_bytes,
     with_layers,
 )
@@ -79,6 +80,19 @@ def _gathered_experts_saved(c, ep: int) -> int:
     return experts - experts // ep
 
 
+def expert_padding(c, dims: ParallelDims) -> int:
+    """Parameters FSDP2's padding adds to a rank's share of the experts on the heaviest stage: it shards a
+    block's stacked experts (E/ep of them under ep) on the expert dimension over dp_shard / ep (x cp) ranks, so
+    a rank holds ceil(E/ep / those ranks) experts where E / (dp_shard x cp) are counted (more ranks than
+    experts: some hold a padded one, e.g. Qwen3-30B-A3B's 128 over 256 ranks)."""
+    if not hasattr(c, "num_experts"):
+        return 0
+    ranks, local = dims.dp_shard // dims.ep * dims.cp, c.num_experts // dims.ep
+    per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+    stage = with_layers(c, math.ceil(c.num_hidden_layers / dims.pp))
+    return sparse_blocks(stage) * per_expert * (-(-local // ranks) * ranks - local) // ranks
+
+
 def _root(c, dims: ParallelDims) -> int:
     """The embedding, final norm and head a tp rank holds on the heaviest stage (the last, with pp > 1)."""
     table = c.vocab_size * c.hidden_size // dims.tp  # vocab-parallel embedding and head
@@ -119,7 +133,8 @@ def estimate_layout(
     per = state_bytes(precision, "fsdp")
     psi = stage_params(c, dims)
     shard = dims.dp_shard * dims.cp
-    params, grads, optim = (-(-psi * b // shard) for b in per[:3])
+    padding = expert_padding(c, dims)
+    params, grads, optim = (-(-psi * b // shard) + padding * b for b in per[:3])
     matmuls, norms = _block(c, dims.tp)
     layers = math.ceil(c.num_hidden_layers / dims.pp)
     # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working"); a

@@ -27,6 +27,7 @@ from parallama.parallel.layouts import (
     stage_params,
     supported,
 )
+from parallama.parallel.options import ACOptions
 from parallama.parallel.plan import estimate, moe_activation_bytes, prefer_expert_parallel, profiles
 
 DDP = {"ddp": profiles()["ddp"]}
@@ -138,11 +139,14 @@ def test_qwen3_moe_30b_a3b_on_8_h100s_is_planned_with_ep_8():
     check_layout(compose(planned), on_gpu=True)  # what parallama-train would check
 
 
-def test_a_moe_pipeline_is_not_planned_with_checkpointing_or_loss_free_balancing():
+def test_what_train_refuses_for_a_moe_is_not_planned():
     pp = Layout(ParallelDims(dp_shard=4, pp=2))
     assert supported(A3B, pp, False) and not supported(A3B, pp, True)
     assert not supported(replace(A3B, router_bias_update_rate=1e-3), pp, False)
     assert supported(A3B, Layout(ParallelDims(dp_shard=8)), True)
+    op, every_2 = ACOptions("selective", "op"), ACOptions("selective", "every_n", 2)
+    ep = Layout(ParallelDims(dp_shard=8, ep=8))
+    assert supported(A3B, ep, True) and supported(A3B, ep, every_2) and not supported(A3B, ep, op)
     # 8 sequences on 100 GB GPUs: pp=2 x ep=4 with checkpointing would be the first that fits; it is refused
     shape = {**SHAPE, "micro_batch": 8}
     pp2 = Layout(ParallelDims(dp_shard=4, pp=2, ep=4))

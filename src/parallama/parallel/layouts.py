@@ -218,13 +218,16 @@ def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
 
 
 def supported(c, layout: Layout, checkpointing) -> bool:
-    """What parallel/layout_checks.py refuses for a mixture of experts under a pipeline: activation
-    checkpointing, and loss-free balancing at all."""
+    """What parallel/layout_checks.py refuses for a mixture of experts: under a pipeline activation
+    checkpointing, and loss-free balancing at all; under ep per-op selective checkpointing."""
     from parallama.parallel.options import ACOptions
 
-    if layout.dims.pp == 1 or not hasattr(c, "num_experts"):
+    ac = ACOptions.of(checkpointing)
+    if not hasattr(c, "num_experts"):
         return True
-    return not ACOptions.of(checkpointing).enabled and not c.router_bias_update_rate
+    if layout.dims.ep > 1 and ac.mode == "selective" and ac.policy == "op":
+        return False
+    return layout.dims.pp == 1 or not ac.enabled and not c.router_bias_update_rate
 
 
 def search(

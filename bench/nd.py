@@ -1,12 +1,16 @@
 """`nd`: N-D parallel layouts side by side: step time and bytes communicated per optimizer step, as ratios to FSDP.
 
 Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
-(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through the Llama's own plan
-(`models/llama/parallelize.parallelize` with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
+(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through its family's own plan
+(the Llama's `models/llama/parallelize.parallelize`, with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
 a data-parallel rank trains global batch / dp samples, the tp and pp ranks of a batch share it. Pipeline layouts
 split the model into pp stages in the plan and train through `parallel.pipeline.Pipeline` (the schedule's
 forward and backward over microbatches, the loss on the last stage), as the strategy does. Layouts alternate for
 `--repeats` rounds; ratios are medians of the per-round ratios.
+
+A mixture of experts (`--model qwen3_moe_tiny`) adds
+its routers' losses to the step and the `ep` layouts; its tokens' all-to-alls are counted apart as dispatch and
+combine (`expert_bytes`).
 
 Bytes: one profiled step after the timed ones, what a rank hands to the communication backend (the input of
 every `gloo:*` / `nccl:*` call, DTensor's, FSDP2's and the pipeline's alike), averaged over the ranks (pipeline
@@ -25,7 +29,7 @@ import time
 
 import torch
 
-from bench.common import machine, median, preset, print_machine, quiet, save, spawn_ranks
+from bench.common import ROOT, machine, median, preset, print_machine, quiet, save, spawn_ranks
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import SINGLE_STAGE
 
@@ -40,9 +44,23 @@ LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world s
     "pp x tp": dict(dp_shard=1, pp=2, tp=2),
     # zero-bubble, V-shaped: 2 stages per rank (rank 0 the first and the last), weight gradients deferred
     "pp zbv": dict(dp_shard=-1, pp=2, pp_schedule="zbv"),
+    # a mixture of experts (--model qwen3_moe_tiny): experts over 2 ranks (at 4: FSDP over the other 2), and x tp
+    "ep": dict(dp_shard=-1, ep=2),
+    "ep x tp": dict(dp_shard=-1, ep=2, tp=2),
 }
 OPTIONS = ("sequence_parallel", "pp_schedule")  # layout keys that are not mesh sizes
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
+
+
+def model_config(name: str):
+    """A conf/model preset's family spec and config (`vocab_size: null`: 256)."""
+    from omegaconf import OmegaConf
+
+    from parallama.models import model_spec
+
+    fields = {**preset(name, 256), "family": OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml").family}
+    spec = model_spec(fields)
+    return spec, spec.build_config(fields)
 
 
 def mesh_sizes(layout: dict) -> dict:
@@ -61,21 +79,44 @@ def pipeline_options(layout: dict, dims: ParallelDims, args):
     return PipelineOptions(schedule, args.pp_microbatches or dims.pp * per_rank, per_rank)
 
 
+def _input_bytes(event) -> int:
+    return sum(
+        BYTES.get(dtype, 4) * torch.Size(shape).numel()
+        for shape, dtype in zip(event.input_shapes, event.input_dtypes)
+        if shape
+    )
+
+
 def collective_bytes(prof) -> dict[str, int]:
     """Per collective kind, the bytes a rank hands to the communication backend in a profile (see the module
-    docstring): the input of every `gloo:*` / `nccl:*` call but a recv's (its sender's send counts them)."""
+    docstring): the input of every `gloo:*` / `nccl:*` call but a recv's (its sender's send counts them); the
+    tokens' all-to-alls of expert parallelism apart (`expert_bytes`), leaving `all_to_all` the counts'."""
     total: dict[str, int] = {}
     for event in prof.events():
         backend, _, kind = event.name.partition(":")
         if backend not in ("gloo", "nccl") or kind == "recv" or not event.input_shapes:
             continue
-        size = sum(
-            BYTES.get(dtype, 4) * torch.Size(shape).numel()
-            for shape, dtype in zip(event.input_shapes, event.input_dtypes)
-            if shape
-        )
-        total[kind] = total.get(kind, 0) + size
+        total[kind] = total.get(kind, 0) + _input_bytes(event)
+    if tokens := expert_bytes(prof):
+        total["all_to_all"] -= sum(tokens.values())
+        total.update(tokens)
     return total
+
+
+def expert_bytes(prof) -> dict[str, int]:
+    """The bytes of the tokens' all-to-alls (parallel/experts.py's `_AllToAll`, whose forward and backward the
+    profiler records by name), by part: in each sparse block's forward the dispatch runs before the combine;
+    backward runs them in reverse, the combine's first. Each part: forward and its backward. {} without ep."""
+    out = {}
+    for name, parts in (
+        ("_AllToAll", ("dispatch", "combine")),
+        ("_AllToAllBackward", ("combine", "dispatch")),
+    ):
+        events = sorted((e for e in prof.events() if e.name == name), key=lambda e: e.time_range.start)
+        for i, event in enumerate(events):
+            key = f"all_to_all {parts[i % 2]}"
+            out[key] = out.get(key, 0) + _input_bytes(event)
+    return out
 
 
 def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
@@ -84,9 +125,6 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.profiler import ProfilerActivity, profile
 
-    from parallama.models.llama.config import LlamaConfig
-    from parallama.models.llama.model import Llama
-    from parallama.models.llama.parallelize import parallelize
     from parallama.parallel.options import FSDPOptions, ParallelizeOptions
     from parallama.parallel.pipeline import Pipeline
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
@@ -105,8 +143,9 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     tp = dims.tp > 1
     pp_options = pipeline_options(layout, dims, args)
     torch.manual_seed(0)
+    spec, config = model_config(args.model)
     with device:
-        model = Llama(LlamaConfig(**preset(args.model, 256)))
+        model = spec.model(config)
     options = ParallelizeOptions(
         dims=dims,
         mesh=mesh,
@@ -115,7 +154,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         loss_parallel=tp,
         pipeline=pp_options,
     )
-    model = parallelize(model, options)  # with pp: this rank's stages, and the model pruned to them
+    model = spec.parallelize(model, options)  # with pp: this rank's stages, and the model pruned to them
     pp_group = mesh["pp"].get_group() if pp_options else None
     loss_fn = CrossEntropy()  # the recipe's default loss
     if pp_options:
@@ -138,6 +177,10 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
             else:
                 logits = model(ids[:, :-1])
                 loss = loss_fn(logits, ids[:, 1:])
+                if hasattr(
+                    model, "auxiliary_loss"
+                ):  # a mixture of experts: its routers' losses, as the recipe
+                    loss = loss + model.auxiliary_loss()[0]
                 loss.backward()
         clip_grad_norm_(model.parameters(), 1.0, group=pp_group)
         optimizer.step()
@@ -188,7 +231,17 @@ def run(args) -> dict:
         print(f"nd: {args.world} ranks need {args.world} GPUs, this machine has {torch.cuda.device_count()}")
         return {}
     names = ["fsdp", *(n for n in args.layouts if n != "fsdp")]  # the ratios' base always runs
-    layouts = {n: LAYOUTS[n] for n in names if fits(LAYOUTS[n], args.world)}
+    experts = hasattr(model_config(args.model)[1], "num_experts")
+    layouts, skipped = {}, []
+    for n in names:
+        sizes = mesh_sizes(LAYOUTS[n])
+        if sizes.get("ep", 1) > 1 and not experts or sizes.get("pp", 1) > 1 and experts:
+            skipped.append(n)
+        elif fits(LAYOUTS[n], args.world):
+            layouts[n] = LAYOUTS[n]
+    if skipped:  # ep needs experts; a mixture of experts' pipeline adds its router losses per stage, not here
+        kind = "a mixture of experts: no pipeline here" if experts else "no experts to shard (ep)"
+        print(f"nd: skipping {', '.join(skipped)} with model={args.model} ({kind})")
     for name, layout in layouts.items():
         dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
         rows, pipeline = args.global_batch // dims.dp_size, pipeline_options(layout, dims, args)
@@ -237,7 +290,11 @@ def run(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny", help="a conf/model preset (heads must divide by 2 for tp)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a conf/model preset (heads must divide by 2 for tp; qwen3_moe_tiny: the ep layouts)",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks (4 adds fsdp x tp, hsdp and pp x tp)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(

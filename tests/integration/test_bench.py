@@ -101,6 +101,26 @@ def test_nd(capsys, tmp_path, cache):
     assert "layout" in text and "/ fsdp" in text and "pp schedule 1f1b" in text
 
 
+@pytest.mark.multiprocess
+def test_nd_moe(capsys, tmp_path, cache):
+    """qwen3_moe_tiny under ep=2 on 2 gloo ranks: the tokens' all-to-alls apart from the counts' exchange,
+    dispatch and combine each exactly a rank's tokens x top-2 x 128 fp32 values per sparse block (3), forward
+    and backward (averaged over the ranks); the pipeline layouts are skipped in one line."""
+    tiny = ["--warmup", "1", "--steps", "1", "--repeats", "1", "--global-batch", "4", "--seq-len", "32"]
+    args = ("nd", "--model", "qwen3_moe_tiny", *tiny, "--layouts", "ep", "pp")
+    text, result = run(capsys, tmp_path, cache, *args, process=True)
+    assert set(result["layouts"]) == {"fsdp", "ep"} and "nd: skipping pp with model=qwen3_moe_tiny" in text
+    ep = result["layouts"]["ep"]["collective_mb_per_step"]
+    tokens = 4 // 2 * 32
+    assert (
+        ep["all_to_all dispatch"]
+        == ep["all_to_all combine"]
+        == pytest.approx(2 * 3 * tokens * 2 * 128 * 4 / 1e6)
+    )
+    assert ep["all_to_all"] == pytest.approx(3 * 8 * 8 / 1e6)  # each block's tokens per expert (int64)
+    assert "all_to_all dispatch" not in result["layouts"]["fsdp"]["collective_mb_per_step"]
+
+
 def test_step_path(capsys, tmp_path, cache):
     """The trace of what runs from the command line to the optimizer's update, and from training_step on (the
     figures docs/architecture.md quotes): the step itself is the module, the loss and the model."""

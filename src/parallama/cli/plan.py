@@ -27,6 +27,7 @@ from parallama.parallel.plan import (
     MemoryProfile,
     estimate,
     optimizer_of,
+    prefer_expert_parallel,
     profiles,
     recommend,
 )
@@ -113,6 +114,9 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             continue
         layouts[name], searched[name] = layout, next(c for c in levels if how(c) is with_ckpt)
     if cfg.strategy.get("_target_", "").endswith(".ModelParallel"):
+        from parallama.parallel.layout_checks import check_layout
+
+        check_layout(cfg, on_gpu=True)  # as parallama-train refuses it (e.g. ep not dividing num_experts)
         layouts["model_parallel (as configured)"] = configured_layout(cfg)
     for name, layout in layouts.items():
         for c in plans:
@@ -135,10 +139,13 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     result = dict(num_params=config.num_params(), **shape, precision=precision, gpu_memory_gb=gpu_memory_gb)
     if hasattr(config, "active_params"):  # a mixture of experts: what one token runs through
         result["active_params"] = config.active_params()
+    result["flops_per_token"] = config.flops_per_token(shape["seq_len"])  # MFU's (active parameters)
     result.update(activation_checkpointing=ckpt, notes=notes, estimates=rows[ckpt])
     result.update(estimates_selective=rows["selective"], estimates_checkpointing=rows[True])
     result["recommendation"] = None
-    if rec := recommend(plans, gpu_memory_gb, strategies, searched):
+    rec = recommend(plans, gpu_memory_gb, strategies, searched)
+    rec = prefer_expert_parallel(rec, strategies, searched, {n: layouts[n].dims.ep for n in searched})
+    if rec:
         name, with_ckpt, why = rec
         layout = layouts.get(name)
         planned = layout.overrides() if layout else None
@@ -226,6 +233,11 @@ def show(result: dict) -> None:
         f"world size {result['world_size']}, micro-batch (per data-parallel replica) {result['micro_batch']} x {result['seq_len']} tokens, "
         f"{result['precision']}, {OVERHEAD_GIB} GiB overhead each; fits: total <= {HEADROOM:.0%} of "
         f"{result['gpu_memory_gb']:g} GiB"
+    )
+    what = "active " if "active_params" in result else ""
+    console.print(
+        f"training FLOPs per token (MFU's): {result['flops_per_token'] / 1e9:.3g} G "
+        f"(6 x {what}non-embedding parameters + attention)"
     )
     for note in result["notes"]:
         console.print(f"note: {note}", highlight=False)

@@ -14,6 +14,9 @@ bf16 compute copies):
   stages per rank) times that; DualPipeV: pp + 1). The zero-bubble schedules keep the stage's parameters gathered.
 - cp: the tokens of each sample (all activations), and, FSDP running over dp_shard x cp, the states too.
 - dp_shard (x cp): FSDP shards what a rank holds after tp and pp; dp_replicate does not divide anything.
+- ep (a mixture of experts, borrowed from dp_shard): E/ep experts FSDP-sharded over dp_shard / ep, the same
+  share of the states; the working set gathers E/ep of a block's experts; one block's all-to-all buffers
+  (plan.moe_activation_bytes). Tried largest first with every layout (`expert_parallel`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from dataclasses import dataclass, replace
 
 from parallama.parallel.dims import ParallelDims
 from parallama.parallel.options import ZERO_BUBBLE
-from parallama.parallel.plan import FP32, Estimate, activation_bytes, state_bytes
+from parallama.parallel.plan import (
+    FP32,
+    Estimate,
+    activation_bytes,
+    moe_activation_bytes,
+    sparse_blocks,
+    state_bytes,
+    with_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,19 @@ def _gathered_experts_saved(c, ep: int) -> int:
     return experts - experts // ep
 
 
+def expert_padding(c, dims: ParallelDims) -> int:
+    """Parameters FSDP2's padding adds to a rank's share of the experts on the heaviest stage: it shards a
+    block's stacked experts (E/ep of them under ep) on the expert dimension over dp_shard / ep (x cp) ranks, so
+    a rank holds ceil(E/ep / those ranks) experts where E / (dp_shard x cp) are counted (more ranks than
+    experts: some hold a padded one, e.g. Qwen3-30B-A3B's 128 over 256 ranks)."""
+    if not hasattr(c, "num_experts"):
+        return 0
+    ranks, local = dims.dp_shard // dims.ep * dims.cp, c.num_experts // dims.ep
+    per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+    stage = with_layers(c, math.ceil(c.num_hidden_layers / dims.pp))
+    return sparse_blocks(stage) * per_expert * (-(-local // ranks) * ranks - local) // ranks
+
+
 def _root(c, dims: ParallelDims) -> int:
     """The embedding, final norm and head a tp rank holds on the heaviest stage (the last, with pp > 1)."""
     table = c.vocab_size * c.hidden_size // dims.tp  # vocab-parallel embedding and head
@@ -112,10 +136,13 @@ def estimate_layout(
     per = state_bytes(precision, "fsdp")
     psi = stage_params(c, dims)
     shard = dims.dp_shard * dims.cp
+    padding = expert_padding(c, dims)
     matmuls, norms = _block(c, dims.tp)
     layers = math.ceil(c.num_hidden_layers / dims.pp)
     muon = layers * matmuls * 4 if optimizer == "muon" else 0  # plan.optimizer_state_bytes
-    params, grads, optim = (-(-(psi * b - (muon if k == 2 else 0)) // shard) for k, b in enumerate(per[:3]))
+    params, grads, optim = (
+        -(-(psi * b - (muon if k == 2 else 0)) // shard) + padding * b for k, b in enumerate(per[:3])
+    )
     # FSDP's working set, unsharded in the compute dtype: the root and two blocks (as plan's "working"); a
     # zero-bubble schedule keeps the whole stage gathered from forward to backward
     gathered_layers = layers if layout.pp_schedule in ZERO_BUBBLE and dims.pp > 1 else min(2, layers)
@@ -128,9 +155,10 @@ def estimate_layout(
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
     kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel, loss_impl=loss_impl)
-    stage = replace(c, num_hidden_layers=layers)
+    stage = with_layers(c, layers)
     blocks = activation_bytes(stage, tokens, e, e, activation_checkpointing, head=False, **kwargs)
     head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
+    blocks += moe_activation_bytes(stage, tokens, e, activation_checkpointing, tp=dims.tp, ep=dims.ep)
     if dims.pp == 1:
         acts = blocks + head
     else:  # the first stage's micro-batches in flight, or the last stage's one with the head (with
@@ -172,8 +200,40 @@ def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: 
                 replicas = [nodes] if node_replicas else []
                 for dp_replicate in [*replicas, 1]:
                     dims = ParallelDims(dp_replicate, rest // dp_replicate, cp, tp, pp)
-                    found.append(Layout(dims, sequence_parallel=tp > 1 and (seq_len // cp) % tp == 0))
+                    sp = tp > 1 and (seq_len // cp) % tp == 0
+                    found += [
+                        Layout(replace(dims, ep=ep), sp) for ep in expert_parallel(c, dims, gpus_per_node)
+                    ]
     return sorted(found, key=lambda x: (x.dims.pp, x.dims.cp, x.dims.tp, -x.dims.dp_replicate))
+
+
+def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
+    """The ep sizes a layout is tried with, largest first: for a mixture of experts those that divide dp_shard
+    and num_experts with the ep group (ep x tp ranks) inside a node, without cp (ep with cp is not supported);
+    [1] for a dense model. The largest ep all-gathers the fewest experts (none at ep = dp_shard): FSDP gathers a
+    block's every expert twice a step and reduce-scatters its gradients, where the all-to-alls move 4 top_k h
+    values per token (docs/strategies.md)."""
+    if not hasattr(c, "num_experts") or dims.cp > 1:
+        return [1]
+    fit = [
+        ep
+        for ep in divisors(dims.dp_shard)
+        if c.num_experts % ep == 0 and gpus_per_node % (ep * dims.tp) == 0
+    ]
+    return sorted(fit, reverse=True)
+
+
+def supported(c, layout: Layout, checkpointing) -> bool:
+    """What parallel/layout_checks.py refuses for a mixture of experts: under a pipeline activation
+    checkpointing, and loss-free balancing at all; under ep per-op selective checkpointing."""
+    from parallama.parallel.options import ACOptions
+
+    ac = ACOptions.of(checkpointing)
+    if not hasattr(c, "num_experts"):
+        return True
+    if layout.dims.ep > 1 and ac.mode == "selective" and ac.policy == "op":
+        return False
+    return layout.dims.pp == 1 or not ac.enabled and not c.router_bias_update_rate
 
 
 def search(
@@ -201,6 +261,6 @@ def search(
             ckpt: estimate_layout(c, layout, activation_checkpointing=ckpt, **shape) for ckpt in checkpointing
         }
         for ckpt in checkpointing:
-            if plans[ckpt].fits(gpu_memory_gb):
+            if plans[ckpt].fits(gpu_memory_gb) and supported(c, layout, ckpt):
                 return layout, ckpt, plans
     return None, None, {}

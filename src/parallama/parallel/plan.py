@@ -197,6 +197,55 @@ def optimizer_of(target: str) -> str:
     return "muon" if "muon" in target.rsplit(".", 1)[-1].lower() else "adamw"
 
 
+def with_layers(c, n: int):
+    """`c` with `n` blocks (a stage, or one and two blocks); a mixture of experts keeps its dense blocks among
+    them (`mlp_only_layers` past `n` dropped)."""
+    if hasattr(c, "mlp_only_layers"):
+        return replace(c, num_hidden_layers=n, mlp_only_layers=[i for i in c.mlp_only_layers if i < n])
+    return replace(c, num_hidden_layers=n)
+
+
+def sparse_blocks(c) -> int:
+    """How many of `c`'s blocks are a mixture of experts (0 for a dense family)."""
+    return sum(map(c.is_sparse, range(c.num_hidden_layers))) if hasattr(c, "is_sparse") else 0
+
+
+def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, ep: int = 1) -> int:
+    """What a mixture of experts (models/moe.py) saves beyond the dense MLP `activation_bytes` counts in each of
+    its sparse blocks (whose `4 i e / tp` per token it replaces), and the all-to-all buffers of expert parallelism.
+
+    Per token and sparse block, whole on every tp rank: the router's logits and scores in fp32 (2 E x 4) and its
+    choices (k int64 experts, k weights, their sum); per copy of the token (k of them) its two int64 indices
+    and its weight, the copy going into the experts, its output and its weighted output (index_add_ keeps its
+    source): 3 k h e, and the experts' gate, up, silu(gate) and product (4 k i e, i = moe_intermediate_size).
+    Full checkpointing: one block recomputing
+    that; selective per-op: a block keeps the router's matmul output (E e; torch._grouped_mm is not among the
+    saved ops) where the dense one kept gate and up, plus one block recomputing. Under ep (> 1) one block's
+    dispatch and combine hold a send and a receive buffer of k h e per token at once (balanced routing: a rank
+    receiving c times its share holds c times the receive buffer)."""
+    from parallama.parallel.options import ACOptions
+
+    sparse = sparse_blocks(c)
+    if not sparse:
+        return 0
+    k, h, i = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    router = 2 * c.num_experts * 4 + k * (8 + 4) + 4
+    moe = router + k * (2 * 8 + e) + (3 * k * h + 4 * k * i) * e
+    dense = 4 * c.intermediate_size * e // tp
+    ac = ACOptions.of(checkpointing)
+    if ac.mode == "none":
+        saved = sparse * (moe - dense)
+    elif ac.mode == "full":
+        saved = moe - dense
+    elif ac.policy == "op":
+        saved = sparse * (c.num_experts * e - 2 * c.intermediate_size * e // tp) + moe - dense
+    else:  # every_n: the blocks not checkpointed as none, plus one recomputing
+        kept = sum(c.is_sparse(b) and (b + 1) % ac.every_n for b in range(c.num_hidden_layers))
+        saved = kept * (moe - dense) + (moe - dense if c.num_hidden_layers >= ac.every_n else 0)
+    buffers = 2 * k * h * e if ep > 1 else 0
+    return tokens * (saved + buffers)
+
+
 def float8_gathered(c, how: str, e: int, float8: str | None, blocks: int | None = None) -> int:
     """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' matmul weights
     are all-gathered in float8 (1 byte, not `e`); rowwise gathers them in the high precision (0 saved). The
@@ -214,7 +263,7 @@ def _gathered_params(c, how: str) -> int:
     """Parameters unsharded at once: all, or the root (embedding, lm_head, final norm) plus two blocks."""
     if how == "all":
         return c.num_params()
-    layer = replace(c, num_hidden_layers=2).num_params() - replace(c, num_hidden_layers=1).num_params()
+    layer = with_layers(c, 2).num_params() - with_layers(c, 1).num_params()
     return c.num_params() - max(c.num_hidden_layers - 2, 0) * layer
 
 
@@ -256,6 +305,7 @@ def estimate(
         acts = activation_bytes(
             config, seq_len * micro_batch, e, e_res, activation_checkpointing, loss_impl=loss_impl
         )
+        acts += moe_activation_bytes(config, seq_len * micro_batch, e, activation_checkpointing)
         out[name] = Estimate(*states, gathered=gathered, activations=acts)
     return out
 
@@ -297,3 +347,25 @@ def recommend(
                 more = f"; activations were the problem: with {kind}" if c and False in plans else ""
                 return name, c, WHY[stage] + more
     return None
+
+
+WHY_EP = (
+    "a mixture of experts whose states must be sharded: expert parallelism holds E/ep of each block's experts "
+    "and moves tokens (all-to-all), where FSDP alone would all-gather every expert twice a step"
+)
+
+
+def prefer_expert_parallel(
+    rec: tuple[str, bool, str] | None,
+    strategies: dict[str, MemoryProfile],
+    searched: dict[str, bool],
+    ep_sizes: dict[str, int],
+) -> tuple[str, bool, str] | None:
+    """For a mixture of experts, where `recommend` reaches fully sharded data parallel, a searched layout with
+    ep > 1 (`ep_sizes`: searched name -> its ep) that fits at the same activation checkpointing instead."""
+    if rec is None or strategies[rec[0]].guide != "fully sharded":
+        return rec
+    for name, ep in ep_sizes.items():
+        if ep > 1 and searched.get(name) == rec[1]:
+            return name, rec[1], WHY_EP
+    return rec

@@ -280,6 +280,7 @@ class ModelParallel(FSDP):
     tp: int = key(1, POSITIVE)
     pp: int = key(1, POSITIVE)
     cp: int = key(1, POSITIVE)
+    ep: int = key(1, POSITIVE)  # expert parallelism: ranks borrowed from dp_shard (parallel/dims.py)
     sequence_parallel: bool = key(False, BOOL)
     pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
     pp_microbatches: int | None = key(None, SOME)

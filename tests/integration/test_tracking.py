@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,39 @@ def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_logger(save_dir=str(tmp_path))._wandb_init["mode"] == "online"
     assert wandb_logger(mode="disabled", save_dir=str(tmp_path))._wandb_init["mode"] == "disabled"
+
+
+LOSE_THE_SERVICE = """
+import logging, os, signal, sys
+from pathlib import Path
+from parallama.training import callbacks
+from parallama.training.loggers import finish_wandb_run, wandb_logger
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+logger = wandb_logger(mode="offline", save_dir=sys.argv[1], project="p")
+logger.log_metrics({"a": 1.0}, step=0)
+children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+(service,) = [int(p) for p in children if b"wandb-core" in Path(f"/proc/{p}/cmdline").read_bytes()]
+os.kill(service, signal.SIGTERM)  # what SLURM's scancel does to every process of the job
+os.waitpid(service, 0)
+try:
+    logger.log_metrics({"a": 2.0}, step=1)
+except ConnectionError:
+    print("an error without a stop signal")
+callbacks._stop_signal = signal.SIGTERM  # what PreemptionCheckpoint records
+logger.log_metrics({"a": 3.0}, step=2)
+logger.log_metrics({"a": 4.0}, step=3)
+finish_wandb_run()
+print("stopped")
+"""
+
+
+def test_a_wandb_service_lost_to_a_stop_signal_does_not_stop_the_run(tmp_path):
+    """SLURM's scancel signals W&B's service too (tests/slurm/test_submitit.py runs it): after the run recorded
+    the signal, W&B calls that find the service gone are one warning and the run goes on to save; before, an
+    error. No traceback at exit (wandb's exit hook would print one)."""
+    proc = subprocess.run([sys.executable, "-c", LOSE_THE_SERVICE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "an error without a stop signal" in out and "stopped" in out, out
+    assert out.count("W&B: its service ended with the SIGTERM") == 1 and "Traceback" not in out, out

@@ -56,10 +56,11 @@ def submitit_jobs(sweep_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def grid(slurm, tmp_path_factory, data_cache):
-    """A 2-point grid: both jobs held at step 2, the array cancelled (scancel), then the same command with
-    ckpt_path=last. (tmp, the cancelled sweep's output, the resumed sweep's)"""
+    """A 2-point grid logging to W&B (offline) too: both jobs held at step 2, the array cancelled (scancel: SLURM
+    signals every process of the jobs, W&B's service too), then the same command with ckpt_path=last. (tmp, the
+    cancelled sweep's output, the resumed sweep's)"""
     tmp = tmp_path_factory.mktemp("grid")
-    points = ["optimizer.lr=1e-3,3e-3", gate(2, "${paths.output_dir}/gate")]
+    points = ["optimizer.lr=1e-3,3e-3", "logger=[csv,wandb]", gate(2, "${paths.output_dir}/gate")]
     with sweep_under_way(tmp, data_cache, *points) as driver:
         for job in ("0", "1"):
             gate_reached(tmp / "sweep" / job / "gate", ranks=1)
@@ -96,6 +97,14 @@ def test_each_job_has_its_run_dir_and_resumes_its_checkpoint(grid):
         log = (run / "train.log").read_text()
         assert f"Restored all states from the checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
     assert lrs == {1e-3, 3e-3}
+
+
+def test_a_cancelled_job_continues_its_wandb_run(grid):
+    """The resumed job logs to the W&B run of the cancelled one: two offline runs of one id in each run dir."""
+    tmp, _, _ = grid
+    for job in ("0", "1"):
+        runs = sorted((tmp / "sweep" / job / "wandb").glob("offline-run-*"))
+        assert len(runs) == 2 and len({run.name.rsplit("-", 1)[1] for run in runs}) == 1, runs
 
 
 def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm, tmp_path, data_cache):

@@ -4,7 +4,6 @@ many at once as the devices allow (parallama.sweeps). Returns the final `optimiz
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 from omegaconf import DictConfig
@@ -17,6 +16,7 @@ def train_job(cfg: DictConfig) -> float | None:
     """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize."""
     from parallama.checkpoint.resume import last_checkpoint_note
     from parallama.runtime import faults
+    from parallama.training.loggers import finish_wandb_run
     from parallama.training.run import train
 
     try:
@@ -29,9 +29,7 @@ def train_job(cfg: DictConfig) -> float | None:
         raise
     finally:
         faults.stop_watching()
-        wandb = sys.modules.get("wandb")  # one W&B run per sweep job: close it before the next job starts
-        if wandb is not None and wandb.run is not None:
-            wandb.finish()
+        finish_wandb_run()
     name = cfg.get("optimized_metric")
     if name and name not in metrics:  # a sweeper cannot score the trial
         raise ConfigError(

@@ -21,6 +21,14 @@ from parallama.training import syncs
 from parallama.training.module import ends_the_run
 
 log = logging.getLogger("parallama")
+_stop_signal = 0  # the signal PreemptionCheckpoint recorded in this process (stop_signal)
+
+
+def stop_signal() -> int:
+    """The stop signal this process's run received (0: none). Signals reach a whole process, and with it what
+    else it started (SLURM's scancel signals every process of a job): W&B's logger reads it to tell a service
+    that died of the same signal from a failure (loggers.PreemptibleWandbLogger)."""
+    return _stop_signal
 
 
 class AtLeastOneValBatch(Callback):
@@ -132,6 +140,8 @@ class PreemptionCheckpoint(Callback):
         self._sigterm_before_lightning = None
         self._checked_step: int | None = None
         self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
+        global _stop_signal
+        _stop_signal = 0  # a new run
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Before Lightning registers its SIGTERM handler: remember what to restore, and record a SIGTERM now."""
@@ -159,7 +169,8 @@ class PreemptionCheckpoint(Callback):
             self._previous[signal.SIGTERM] = self._sigterm_before_lightning
 
     def _record(self, signum: int, frame) -> None:
-        self.received = self.received or signum
+        global _stop_signal
+        self.received = _stop_signal = self.received or signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self._checked_step:  # accumulating: no optimizer step since the last check

@@ -11,7 +11,10 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import signal
+import sys
 from argparse import Namespace
+from contextlib import suppress
 
 import lightning as L
 from lightning.pytorch.loggers import Logger, WandbLogger
@@ -22,8 +25,10 @@ from torch import Tensor
 from parallama.checkpoint.formats import client_state
 from parallama.config.checks import wandb_api_key_configured
 from parallama.errors import ConfigError
+from parallama.training.callbacks import stop_signal
 
 log = logging.getLogger("parallama")
+_told_lost: set[str | None] = set()  # the W&B runs whose lost service was said
 MODES = ("auto", "online", "offline", "disabled")
 RUN_ID_KEY = "wandb_run_id"
 
@@ -116,7 +121,77 @@ def wandb_logger(mode: str = "auto", save_dir: str = ".", **kwargs) -> WandbLogg
                 f"W&B: no API key configured, logging offline; upload later with `wandb sync {save_dir}/wandb/offline-run-*`"
             )
     os.makedirs(save_dir, exist_ok=True)
-    return WandbLogger(save_dir=save_dir, offline=mode == "offline", mode=mode, **kwargs)
+    return PreemptibleWandbLogger(save_dir=save_dir, offline=mode == "offline", mode=mode, **kwargs)
+
+
+class PreemptibleWandbLogger(WandbLogger):
+    """Lightning's WandbLogger in a run that a stop signal may end. W&B logs through a service process of its own
+    (wandb-core), which a signal to the whole job reaches too: SLURM's scancel signals every process of the job
+    (proctrack follows the process tree, whatever the session), and wandb-core exits at once. Every later W&B
+    call then raises ConnectionResetError, which ended the run before PreemptionCheckpoint saved: no last.ckpt
+    (found under the tests' SLURM cluster). After a stop signal, the first call that finds the service gone is one
+    warning, W&B is left alone, and the run saves and stops as without W&B; `ckpt_path=last` continues the W&B
+    run. What the service had not written is lost to W&B (offline, under the test cluster: all of the cancelled
+    job's steps; metrics.csv has them). Without a signal a lost service stays an error."""
+
+    service_lost = False
+
+    def _unless_lost(self, method, *args) -> None:
+        if self.service_lost:
+            return
+        try:
+            method(*args)
+        except ConnectionError as err:
+            if not _lost_to_a_stop_signal(err, self.version):
+                raise
+            self.service_lost = True
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        self._unless_lost(super().log_hyperparams, params)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self._unless_lost(super().log_metrics, metrics, step)
+
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        self._unless_lost(super().after_save_checkpoint, checkpoint_callback)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._unless_lost(super().finalize, status)
+
+
+def finish_wandb_run() -> None:
+    """Close this process's W&B run, if any (one W&B run per sweep job: before the next job starts). Its service
+    gone after a stop signal, there is nothing to close: drop the connection, whose exit hook would print a
+    traceback."""
+    wandb = sys.modules.get("wandb")
+    if wandb is None or wandb.run is None:
+        return
+    try:
+        wandb.finish()
+    except ConnectionError as err:
+        if not _lost_to_a_stop_signal(err, wandb.run.id):
+            raise
+        with suppress(ConnectionError):
+            wandb.teardown()
+
+
+def _lost_to_a_stop_signal(err: ConnectionError, run_id: str | None) -> bool:
+    """W&B's service is gone (`err`): after a stop signal, say so in one line (True); otherwise an error."""
+    if not (signum := stop_signal()):
+        return False
+    if run_id in _told_lost:
+        return True
+    _told_lost.add(run_id)
+    log.warning(
+        f"W&B: its service ended with the {signal.Signals(signum).name} ({err}), as SLURM signals every process "
+        f"of a job: W&B run {run_id} may lack this run's last steps (metrics.csv has them); saving without W&B; "
+        "ckpt_path=last continues the W&B run"
+    )
+    return True
 
 
 class WandbRunId(L.Callback):

@@ -14,6 +14,7 @@ import yaml
 from conftest import TINY
 from slurm.jobs import gate_reached, job_env, start_requeued_now
 from step_gate import gate
+from wandb_files import wandb_records
 
 from parallama.checkpoint.formats import client_state
 
@@ -100,11 +101,15 @@ def test_each_job_has_its_run_dir_and_resumes_its_checkpoint(grid):
 
 
 def test_a_cancelled_job_continues_its_wandb_run(grid):
-    """The resumed job logs to the W&B run of the cancelled one: two offline runs of one id in each run dir."""
+    """The resumed job logs to the W&B run of the cancelled one: two offline runs of one id in each run dir, the
+    second with its steps (the first may hold nothing: SLURM's SIGTERM ended its service before it wrote)."""
     tmp, _, _ = grid
     for job in ("0", "1"):
-        runs = sorted((tmp / "sweep" / job / "wandb").glob("offline-run-*"))
+        runs = sorted((tmp / "sweep" / job / "wandb").glob("offline-run-*"))  # by start time
         assert len(runs) == 2 and len({run.name.rsplit("-", 1)[1] for run in runs}) == 1, runs
+        records = wandb_records(next(runs[1].glob("run-*.wandb")))
+        assert {r.run.run_id for r in records if r.HasField("run")} == {runs[0].name.rsplit("-", 1)[1]}
+        assert any(r.HasField("history") for r in records)
 
 
 def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm, tmp_path, data_cache):

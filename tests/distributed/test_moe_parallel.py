@@ -1,9 +1,10 @@
 """Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
 (load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation
-checkpointing: the all-to-alls run again in backward), ep=2 x dp_shard=2 and ep=2 x tp=2
-with and without sequence parallel, pp=2 x ep=2 (gpipe, one microbatch: the stages add their router losses in
-backward) (4 ranks), and without experts sharded cp=2 and ddp at 2 ranks, each end with
-the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
+checkpointing: the all-to-alls run again in backward, and per-op selective: the experts recomputed whole),
+ep=2 x dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, one microbatch: the
+stages add their router losses in backward; also per-op selective) (4 ranks), pp=2 with full checkpointing
+(a stage's recomputation adds them again in backward) and without experts sharded cp=2 and ddp at 2 ranks, each
+end with the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
 at every step: the balancing counts are the global batch's in every layout (with each rank's own counts instead,
 ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of ep=2 x
 dp_shard=2 resumed as one process, and one process's resumed as ep=2, equal the uninterrupted run at step 6. With
@@ -33,6 +34,9 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
         [MP, "strategy.ep=2", "activation_checkpointing=full", "data.batch_size=4"],
     ),  # a2a again
     "ep2_dp_shard2": (4, [MP, "strategy.ep=2", "data.batch_size=2"]),
+    # per-op selective checkpointing: the experts (their own FSDP hooks) recomputed whole, the rest per op
+    # (without that, torch's per-op recomputation failed: 'invocation index 2 ... not found')
+    "ep2_sac": (2, [MP, "strategy.ep=2", "activation_checkpointing=selective", "data.batch_size=4"]),
     "ep2_tp2": (4, [MP, "strategy.ep=2", "strategy.tp=2", "data.batch_size=4"]),
     "ep2_tp2_sp": (
         4,
@@ -47,6 +51,30 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
             "strategy.ep=2",
             "strategy.pp_schedule=gpipe",
             "strategy.pp_microbatches=1",
+            "data.batch_size=4",
+        ],
+    ),  # fmt: skip
+    # full checkpointing in the stages: a recomputed forward adds its router losses' gradient as the first did
+    "pp2_full_ac": (
+        2,
+        [
+            MP,
+            "strategy.pp=2",
+            "strategy.pp_schedule=gpipe",
+            "strategy.pp_microbatches=1",
+            "activation_checkpointing=full",
+            "data.batch_size=8",
+        ],
+    ),  # fmt: skip
+    "pp2_ep2_sac": (
+        4,
+        [
+            MP,
+            "strategy.pp=2",
+            "strategy.ep=2",
+            "strategy.pp_schedule=gpipe",
+            "strategy.pp_microbatches=1",
+            "activation_checkpointing=selective",
             "data.batch_size=4",
         ],
     ),  # fmt: skip

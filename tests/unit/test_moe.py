@@ -116,3 +116,25 @@ def test_loss_free_bias_moves_towards_the_idle_experts():
         torch.testing.assert_close(
             weights, scores.gather(-1, experts) / scores.gather(-1, experts).sum(-1, True)
         )
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_stage_records_its_losses_once_per_forward_under_activation_checkpointing(checkpointed):
+    """In a pipeline stage (losses added in backward) a checkpointed block's recomputation, inside backward,
+    records nothing more, and the gradients (its losses' included) are those without checkpointing. torch's
+    early stop (on by default) ends a recomputation at its last saved tensor, before the record: off here."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    grads = []
+    for recompute in (False, checkpointed):
+        moe = block(aux_loss_coef=0.1, z_loss_coef=0.01)
+        moe.loss_in_backward = 0.5
+        for seed in (1, 2):  # two microbatches, each forward then backward
+            x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(seed))
+            with set_checkpoint_early_stop(False):
+                out = checkpoint(moe, x, use_reentrant=False) if recompute else moe(x)
+                out.square().sum().backward()
+        assert len(moe.microbatch_losses) == 2
+        grads.append([p.grad for p in moe.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)

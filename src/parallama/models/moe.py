@@ -9,7 +9,8 @@ Parameter names follow Hugging Face's Qwen3-MoE (`mlp.gate.weight`, `mlp.experts
 
 Expert parallelism (parallel/experts.py) shards the experts' first dimension over ranks and wraps
 `GroupedExperts.forward` in an all-to-all dispatch and combine; nothing here knows about it, except that a weight
-may arrive as a DTensor, whose local shard is this rank's experts.
+may arrive as a DTensor, whose local shard is this rank's experts, and that the experts' call runs in
+`MoE.experts_context` (set there under per-op selective checkpointing).
 
 The losses are computed after the forward (`auxiliary_loss`), from what each block recorded: the tokens each
 expert received are summed over the ranks that hold other tokens (`MoE.count_group`, set by the parallel plan)
@@ -19,6 +20,7 @@ data-parallel layout (Qwen's global-batch balancing, Megatron's global_aux_loss)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +118,8 @@ class MoE(nn.Module):
     count_group = None
     # In a pipeline stage: the weight of this block's losses, added in backward (`add_losses_in_backward`)
     loss_in_backward: float | None = None
+    # What the experts' call runs in (parallel/experts.py: outside per-op selective checkpointing under ep)
+    experts_context = contextlib.nullcontext
 
     def __init__(
         self,
@@ -172,15 +176,26 @@ class MoE(nn.Module):
         # Sort the (token, choice) pairs by expert: each expert's tokens are one contiguous run.
         order = experts.flatten().argsort(stable=True)
         token = order // self.top_k
-        y = self.experts(x[token], tokens_per_expert) * weights.flatten()[order, None]
+        routed = x[token]
+        with self.experts_context():
+            y = self.experts(routed, tokens_per_expert)
+        y = y * weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, token, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.loss_in_backward is not None and torch.is_grad_enabled():
             loss, metrics = auxiliary_loss([self])
             out = _AddLossGradient.apply(out, loss, self.loss_in_backward)
-            self.microbatch_losses.append((loss.detach(), metrics))
+            if not _recomputing():  # recorded once per microbatch, from its first forward
+                self.microbatch_losses.append((loss.detach(), metrics))
         return out.reshape(shape)
+
+
+def _recomputing() -> bool:
+    """A forward run inside backward: an activation checkpoint's recomputation (torch's non-reentrant
+    checkpoint recomputes from an unpack hook). It computes what the first forward did, the same balancing
+    counts (the all-reduce again: its saved shares must be the same), so only the logging skips it."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AddLossGradient(torch.autograd.Function):

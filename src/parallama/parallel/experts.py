@@ -7,6 +7,8 @@ not use.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -97,6 +99,24 @@ class ExpertParallel:
         return _AllToAll.apply(y, self.input_splits, self.output_splits, self.group)
 
 
+@contextlib.contextmanager
+def outside_selective_checkpointing():
+    """The experts' call (their own FSDP hooks, the all-to-alls, the grouped GEMMs) outside per-op selective
+    checkpointing's dispatch modes, which require the recomputation to run the forward's ops: the experts' FSDP
+    state differs in backward (torch raised 'profiler._record_function_enter_new.default invocation index 2
+    encountered during backward but not found'). The checkpoint's saved-tensor hooks still hold: the experts are
+    recomputed whole, as under full checkpointing (all-to-alls again), the rest of the block per op."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    if any(isinstance(mode, sac) for mode in _get_current_dispatch_mode_stack()):
+        with _disable_current_modes():
+            yield
+    else:
+        yield
+
+
 def apply_ep(model, options) -> None:
     """Expert parallelism (`strategy.ep`, options.dims.ep > 1) on every mixture-of-experts block of `model`,
     before the family's plan: each block's experts sharded over the ep ranks with all-to-all dispatch and combine
@@ -111,8 +131,11 @@ def apply_ep(model, options) -> None:
     mesh = dims.build_expert_mesh(options.mesh.device_type)
     dp = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else "dp_shard_mod_ep"
     fsdp = options.fsdp
+    ac = options.activation_checkpointing
     for block in moe_blocks(model):
         ExpertParallel(block.experts, mesh["ep"])
+        if ac.mode == "selective" and ac.policy == "op":
+            block.experts_context = outside_selective_checkpointing
         if fsdp is not None:
             kwargs = fsdp_kwargs(mesh[dp], fsdp.mixed_precision, fsdp.cpu_offload)
             fully_shard(block.experts, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)

@@ -29,16 +29,6 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
-    if (
-        dims.pp > 1
-        and cfg.model.get("num_experts")
-        and ACOptions.of(cfg.get("activation_checkpointing")).enabled
-    ):
-        raise ConfigError(
-            f"activation_checkpointing={cfg.activation_checkpointing} with strategy.pp={dims.pp} and a mixture of "
-            "experts is not supported (a stage's recomputed forward would add its router losses to the log "
-            "again); use activation_checkpointing=none or strategy.pp=1"
-        )
     if dims.pp > 1 and cfg.model.get("router_bias_update_rate"):
         raise ConfigError(
             f"model.router_bias_update_rate={cfg.model.router_bias_update_rate} with strategy.pp={dims.pp} is "
@@ -62,12 +52,13 @@ def _check_expert_parallel(cfg: DictConfig, ep: int) -> None:
         )
     if experts % ep:
         raise ConfigError(f"strategy.ep={ep} must divide model.num_experts={experts}")
+    ac = ACOptions.of(cfg.get("activation_checkpointing"))
     policy = (cfg.get("activation_checkpointing_policy") or {}).get("mode", "op")
-    if ACOptions.of(cfg.get("activation_checkpointing")).mode == "selective" and policy == "op":
+    if cfg.get("compile") and ac.mode == "selective" and policy == "op":
         raise ConfigError(
-            f"activation_checkpointing=selective (activation_checkpointing_policy.mode=op) with strategy.ep={ep} "
-            "is not supported (the experts' own FSDP gathers differ between forward and its recomputation: "
-            "torch's per-op checkpoint fails); use activation_checkpointing=full or the every_n policy"
+            f"compile=true with activation_checkpointing=selective (activation_checkpointing_policy.mode=op) and "
+            f"strategy.ep={ep} is not supported (the experts leave the per-op checkpoint's dispatch modes, which "
+            "compiled blocks trace); use compile=false, activation_checkpointing=full or the every_n policy"
         )
 
 

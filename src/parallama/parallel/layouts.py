@@ -223,17 +223,10 @@ def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
     return sorted(fit, reverse=True)
 
 
-def supported(c, layout: Layout, checkpointing) -> bool:
-    """What parallel/layout_checks.py refuses for a mixture of experts: under a pipeline activation
-    checkpointing, and loss-free balancing at all; under ep per-op selective checkpointing."""
-    from parallama.parallel.options import ACOptions
-
-    ac = ACOptions.of(checkpointing)
-    if not hasattr(c, "num_experts"):
-        return True
-    if layout.dims.ep > 1 and ac.mode == "selective" and ac.policy == "op":
-        return False
-    return layout.dims.pp == 1 or not ac.enabled and not c.router_bias_update_rate
+def supported(c, layout: Layout) -> bool:
+    """What parallel/layout_checks.py refuses for a mixture of experts in a layout the search tries: loss-free
+    balancing under a pipeline (activation checkpointing, full or per op, runs with pp and ep)."""
+    return not (hasattr(c, "num_experts") and layout.dims.pp > 1 and c.router_bias_update_rate)
 
 
 def search(
@@ -261,6 +254,6 @@ def search(
             ckpt: estimate_layout(c, layout, activation_checkpointing=ckpt, **shape) for ckpt in checkpointing
         }
         for ckpt in checkpointing:
-            if plans[ckpt].fits(gpu_memory_gb) and supported(c, layout, ckpt):
+            if plans[ckpt].fits(gpu_memory_gb) and supported(c, layout):
                 return layout, ckpt, plans
     return None, None, {}

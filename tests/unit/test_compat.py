@@ -14,8 +14,9 @@ def test_every_internal_is_where_compat_expects_it():
     compat.check_internals(deepspeed=True)
     internals = compat.INTERNALS + compat.DEEPSPEED_INTERNALS
     assert (
-        len(internals) <= 10
-    )  # a new one is a decision: say why in compat.py (9th: Lightning's batch progress, 10th: grouped GEMM)
+        len(internals) <= 12
+    )  # a new one is a decision: say why in compat.py (9th: Lightning's batch progress, 10th: grouped GEMM,
+    # 11th-12th: a MoE block's checkpoint recomputation and its experts outside per-op selective checkpointing)
     assert all(i.why and i.waits_for and i.upstream and i.package in compat.TESTED for i in internals)
 
 

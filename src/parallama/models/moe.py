@@ -195,7 +195,7 @@ def _recomputing() -> bool:
     """A forward run inside backward: an activation checkpoint's recomputation (torch's non-reentrant
     checkpoint recomputes from an unpack hook). It computes what the first forward did, the same balancing
     counts (the all-reduce again: its saved shares must be the same), so only the logging skips it."""
-    return torch._C._current_graph_task_id() != -1
+    return compat.recomputing_in_backward()
 
 
 class _AddLossGradient(torch.autograd.Function):

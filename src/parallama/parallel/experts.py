@@ -7,13 +7,12 @@ not use.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from parallama.models.moe import GroupedExperts, moe_blocks
+from parallama.runtime import compat
 
 _groups: dict = {}  # (dims, tuple of ranks) -> the process group, made once per layout
 
@@ -99,22 +98,13 @@ class ExpertParallel:
         return _AllToAll.apply(y, self.input_splits, self.output_splits, self.group)
 
 
-@contextlib.contextmanager
 def outside_selective_checkpointing():
     """The experts' call (their own FSDP hooks, the all-to-alls, the grouped GEMMs) outside per-op selective
     checkpointing's dispatch modes, which require the recomputation to run the forward's ops: the experts' FSDP
     state differs in backward (torch raised 'profiler._record_function_enter_new.default invocation index 2
     encountered during backward but not found'). The checkpoint's saved-tensor hooks still hold: the experts are
     recomputed whole, as under full checkpointing (all-to-alls again), the rest of the block per op."""
-    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
-
-    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-    if any(isinstance(mode, sac) for mode in _get_current_dispatch_mode_stack()):
-        with _disable_current_modes():
-            yield
-    else:
-        yield
+    return compat.outside_selective_checkpointing()
 
 
 def apply_ep(model, options) -> None:

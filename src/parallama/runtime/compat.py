@@ -111,6 +111,24 @@ INTERNALS = [
         "a public grouped matmul (torch.nn.functional.grouped_mm)",
         "https://github.com/pytorch/pytorch/blob/v2.13.0/aten/src/ATen/native/native_functions.yaml",
     ),
+    Internal(
+        "torch._C",
+        ("_current_graph_task_id",),
+        "a mixture of experts under a pipeline records its router losses once per microbatch: an activation "
+        "checkpoint's recomputation (a forward run inside backward) must not record them again (models/moe.py)",
+        "a public 'is this forward a checkpoint's recomputation' query in torch.utils.checkpoint",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/autograd/python_engine.cpp",
+    ),
+    Internal(
+        "torch.utils.checkpoint",
+        ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"),
+        "per-op selective checkpointing requires the recomputation to run the forward's ops; the experts' own FSDP "
+        "hooks under strategy.ep run others, so their call leaves its dispatch modes (parallel/experts.py) and is "
+        "recomputed whole (with torch.utils._python_dispatch's _disable_current_modes and "
+        "_get_current_dispatch_mode_stack)",
+        "a public way to exclude a region from selective activation checkpointing's op matching",
+        "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/checkpoint.py",
+    ),
 ]
 DEEPSPEED_INTERNALS = [
     Internal(
@@ -374,3 +392,26 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     bounds = [0, *offsets.tolist()]
     return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+
+def recomputing_in_backward() -> bool:
+    """Whether this forward runs inside backward: torch's non-reentrant activation checkpoint recomputes from an
+    unpack hook, inside the autograd engine's graph task."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextmanager
+def outside_selective_checkpointing():
+    """Run the block inside outside per-op selective checkpointing's dispatch modes (where they are active): the
+    checkpoint's saved-tensor hooks still hold, so the region is recomputed whole, as under full checkpointing."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    if any(isinstance(mode, sac) for mode in _get_current_dispatch_mode_stack()):
+        with _disable_current_modes():
+            yield
+    else:
+        yield

@@ -101,6 +101,25 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm, l
     assert_same_weights(exported(run_dir(tmp_path, job_id)), local["ddp"])
 
 
+def test_a_single_task_job_requeues_itself_on_the_time_limit_signal_too(slurm, tmp_path, data_cache):
+    """One task (one device: a strategy without a cluster environment): the time-limit signal saves, requeues
+    and resumes as under several ranks, ending with the weights of a local single-process run."""
+    overrides = [*TINY, *ARGS, "data.batch_size=4", f"paths.cache_dir={data_cache}"]
+    expected = layout_weights(tmp_path / "local", *ARGS, ranks=1, batch=4, cwd=tmp_path, cache=data_cache)
+    job_id = sbatch(
+        slurm, tmp_path, *overrides, gate(2, tmp_path / "gate"), options=("--time=10", "--ntasks-per-node=1")
+    )
+    gate_reached(tmp_path / "gate", ranks=1)
+    hours, minutes, seconds = job(slurm, job_id)["RunTime"].split(":")
+    slurm.client("scontrol", "update", f"JobId={job_id}", f"TimeLimit={(int(hours) * 60 + int(minutes)) + 2}")
+    start_requeued_now(slurm, job_id)
+    state = wait_done(slurm, job_id)
+    out = output(tmp_path, job_id)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", out[-4000:]
+    assert "stopped by SIGUSR1 at step 3" in out and f"requeued SLURM job {job_id}" in out, out[-4000:]
+    assert_same_weights(exported(run_dir(tmp_path, job_id)), expected)
+
+
 def test_scancel_stops_every_rank_with_a_checkpoint_that_loads(slurm, tmp_path, data_cache):
     job_id = submit(slurm, tmp_path, data_cache, "ddp", gate(2, tmp_path / "gate"))
     gate_reached(tmp_path / "gate", ranks=2)

@@ -2,6 +2,7 @@
 resumed run (or another process of the run) appends to."""
 
 import csv
+import os
 from datetime import timedelta
 
 import lightning as L
@@ -80,3 +81,30 @@ def test_the_csv_history_survives_a_resume_and_new_columns(tmp_path):
         ("2", "1.2", "1.4"),
     ]
     assert "lr: 0.1" in (tmp_path / "csv" / "hparams.yaml").read_text()
+
+
+def test_a_single_device_run_gets_the_slurm_environment_its_strategy_lacks(monkeypatch, tmp_path):
+    """A single device's strategy holds no cluster environment: the preemption callback takes the configured
+    SLURMEnvironment (launcher=slurm's), or Lightning's default inside a SLURM batch job, or none outside SLURM."""
+    import signal
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from parallama.training.callbacks import PreemptionCheckpoint, requeue_single_device_jobs
+
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    preemption = PreemptionCheckpoint(str(tmp_path))
+    requeue_single_device_jobs([preemption], [])
+    assert preemption.slurm_environment is None  # not under SLURM
+
+    configured = SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR2)
+    requeue_single_device_jobs([preemption], [configured])
+    assert preemption.slurm_environment is configured
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train.sbatch")
+    requeue_single_device_jobs([preemption], [])
+    assert isinstance(preemption.slurm_environment, SLURMEnvironment)
+    assert preemption.slurm_environment.requeue_signal == signal.SIGUSR1

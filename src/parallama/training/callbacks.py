@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -112,6 +113,19 @@ class RichModelSummary(LightningRichModelSummary):
         console.print(grid)
 
 
+def requeue_single_device_jobs(callbacks: list, plugins: list) -> None:
+    """Give the preemption callback the run's SLURM environment, which a single device's strategy does not hold
+    (Lightning keeps a cluster environment only on its multi-process strategies): the configured one
+    (launcher=slurm's), else, in a SLURM batch job, Lightning's default (SIGUSR1, auto_requeue), so a one-task job
+    signalled before its time limit requeues itself as a multi-rank one does."""
+    env = next((p for p in plugins if isinstance(p, SLURMEnvironment)), None)
+    if env is None and os.environ.get("SLURM_JOB_ID") and SLURMEnvironment.detect():
+        env = SLURMEnvironment()
+    for callback in callbacks:
+        if isinstance(callback, PreemptionCheckpoint):
+            callback.slurm_environment = env
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM (a scheduler), SIGUSR1 (SLURM's warning before the time limit) or SIGINT (Ctrl-C): finish the
     optimizer step, save `last.ckpt` on every rank and stop with status 0; `ckpt_path=last` resumes there.
@@ -140,6 +154,8 @@ class PreemptionCheckpoint(Callback):
         self._sigterm_before_lightning = None
         self._checked_step: int | None = None
         self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
+        # a single device's strategy holds no cluster environment: training/run.py gives the run's SLURM one here
+        self.slurm_environment: SLURMEnvironment | None = None
         global _stop_signal
         _stop_signal = 0  # a new run
 
@@ -159,7 +175,7 @@ class PreemptionCheckpoint(Callback):
         ours); SIGTERM goes back to what it was before Lightning's."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
-        env = getattr(trainer.strategy, "cluster_environment", None)  # none for a single device
+        env = getattr(trainer.strategy, "cluster_environment", None) or self.slurm_environment
         if isinstance(env, SLURMEnvironment) and env.auto_requeue:
             self._requeue = env.requeue_signal
         signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]

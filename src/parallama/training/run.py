@@ -57,7 +57,7 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.parallel.base import Parallelism
     from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
-    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers
+    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers, requeue_single_device_jobs
     from parallama.training.loggers import continue_wandb_run
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
@@ -101,6 +101,7 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);
     # other plugins (launcher=slurm's SLURMEnvironment) are kept.
     plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
+    requeue_single_device_jobs(callbacks, plugins)
     strategy = hydra.utils.instantiate(cfg.strategy)
     if cfg.get("float8") is not None:  # the blocks' linears in float8 (parallel/float8.py), through the plan
         from parallama.training.callbacks import Float8Scales

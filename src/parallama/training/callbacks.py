@@ -70,7 +70,7 @@ class RichModelSummary(LightningRichModelSummary):
     """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line: Lightning counts FLOPs only
     by running the module's `example_input_array`, which a CausalLM has none of (a forward of the whole model at
     fit start), so they read 0. The model's FLOPs per token are in the loggers' hyper-parameters
-    (`model/flops_per_token`) and the ThroughputMonitor's FLOP/s."""
+    (`model/flops_per_token`) and the TokenThroughputMonitor's FLOP/s."""
 
     @staticmethod
     def summarize(

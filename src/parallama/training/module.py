@@ -165,12 +165,12 @@ class CausalLM(L.LightningModule):
                     parameters=self.parameters(),
                     cp_mesh=layout.cp_mesh,
                 )
-            return loss + self.auxiliary_loss()
-        if layout.cp_mesh is not None:
+        elif layout.cp_mesh is not None:
             loss = self.context_parallel.loss(self, batch, layout.cp_mesh, layout.loss_context())
-            return loss + self.auxiliary_loss()
-        with layout.loss_context():
-            return self.loss(batch) + self.auxiliary_loss()
+        else:
+            with layout.loss_context():
+                loss = self.loss(batch)
+        return loss + self.auxiliary_loss()
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         """Lightning's hook, called by the precision plugin between its own pre- and post-backward steps."""

@@ -5,7 +5,7 @@ tensor`, a clock after `torch.cuda.synchronize()`, a Python number logged with `
 on the device) makes the host wait until the queue is empty, and the GPU then idles while the next step is
 queued. So on a GPU the default callbacks and the module read only on the steps whose metrics Lightning writes
 to the loggers (every `trainer.log_every_n_steps`), which read the device anyway; on a CPU there is no queue and
-they read every step, as they always did. tests/unit/test_host_syncs.py counts the reads per step.
+they read every step, as they always did. tests/integration/test_host_syncs.py counts the reads per step.
 """
 
 from __future__ import annotations

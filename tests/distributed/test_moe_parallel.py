@@ -1,14 +1,16 @@
 """Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
 (load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation
-checkpointing: the all-to-alls run again in backward, and per-op selective: the experts recomputed whole),
-ep=2 x dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, one microbatch: the
-stages add their router losses in backward; also per-op selective) (4 ranks), pp=2 with full checkpointing
-(a stage's recomputation adds them again in backward) and without experts sharded cp=2 and ddp at 2 ranks, each
-end with the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and expert imbalance
-at every step: the balancing counts are the global batch's in every layout (with each rank's own counts instead,
-ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of ep=2 x
-dp_shard=2 resumed as one process, and one process's resumed as ep=2, equal the uninterrupted run at step 6. With
-DeepSeek-V3's loss-free balancing instead, ep=2 moves the routers' biases as one process does."""
+checkpointing: the all-to-alls run again in backward, and per-op selective: the experts recomputed whole, also
+compiled),
+ep=2 x dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, two microbatches: the
+stages add their router losses in backward, balanced by the step's counts of both; also per-op selective)
+(4 ranks), pp=2 with full checkpointing (a stage's recomputation adds them again in backward) and without experts
+sharded cp=2 and ddp at 2 ranks, each end with the weights of one process after 3 steps (1e-5) and log the same
+loss, load-balancing loss and expert imbalance at every step: the balancing counts are the global batch's in
+every layout (with each rank's own counts instead, ddp at 2 ranks ends 8e-4 away from one process on the routers,
+measured). A step-3 checkpoint of ep=2 x dp_shard=2 resumed as one process, and one process's resumed as ep=2,
+equal the uninterrupted run at step 6. With DeepSeek-V3's loss-free balancing instead, ep=2 and pp=2 (1F1B) move
+the routers' biases as one process does."""
 
 from __future__ import annotations
 
@@ -37,23 +39,20 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
     # per-op selective checkpointing: the experts (their own FSDP hooks) recomputed whole, the rest per op
     # (without that, torch's per-op recomputation failed: 'invocation index 2 ... not found')
     "ep2_sac": (2, [MP, "strategy.ep=2", "activation_checkpointing=selective", "data.batch_size=4"]),
+    # compiled blocks under per-op selective checkpointing: the experts' weights are this rank's shard (compile
+    # read hasattr(w, "to_local") as False and failed on a DTensor in the matmul), their call traced outside the
+    # checkpoint's dispatch modes
+    "ep2_compile_sac": (
+        2,
+        [MP, "strategy.ep=2", "compile=true", "activation_checkpointing=selective", "data.batch_size=4"],
+    ),
     "ep2_tp2": (4, [MP, "strategy.ep=2", "strategy.tp=2", "data.batch_size=4"]),
     "ep2_tp2_sp": (
         4,
         [MP, "strategy.ep=2", "strategy.tp=2", "strategy.sequence_parallel=true", "data.batch_size=4"],
     ),
-    # one microbatch: the balancing batch is each microbatch (over the dp ranks), here the whole batch
-    "pp2_ep2": (
-        4,
-        [
-            MP,
-            "strategy.pp=2",
-            "strategy.ep=2",
-            "strategy.pp_schedule=gpipe",
-            "strategy.pp_microbatches=1",
-            "data.batch_size=4",
-        ],
-    ),  # fmt: skip
+    # gpipe (every forward before the backwards), two microbatches: the balancing counts are both's
+    "pp2_ep2": (4, [MP, "strategy.pp=2", "strategy.ep=2", "strategy.pp_schedule=gpipe", "data.batch_size=4"]),
     # full checkpointing in the stages: a recomputed forward adds its router losses' gradient as the first did
     "pp2_full_ac": (
         2,
@@ -61,11 +60,10 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
             MP,
             "strategy.pp=2",
             "strategy.pp_schedule=gpipe",
-            "strategy.pp_microbatches=1",
             "activation_checkpointing=full",
             "data.batch_size=8",
         ],
-    ),  # fmt: skip
+    ),
     "pp2_ep2_sac": (
         4,
         [
@@ -73,7 +71,6 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
             "strategy.pp=2",
             "strategy.ep=2",
             "strategy.pp_schedule=gpipe",
-            "strategy.pp_microbatches=1",
             "activation_checkpointing=selective",
             "data.batch_size=4",
         ],
@@ -110,6 +107,7 @@ def runs(tmp_path_factory, data_cache) -> dict:
         run(name, ranks, STEPS, *args)
     run("ref_bias", 1, STEPS, "data.batch_size=8", *BIAS)
     run("ep2_bias", 2, STEPS, MP, "strategy.ep=2", "data.batch_size=4", *BIAS)
+    run("pp2_bias", 2, STEPS, MP, "strategy.pp=2", "data.batch_size=8", *BIAS)  # 1F1B, two microbatches
     for name, (source, ranks, args) in RESUMES.items():
         ckpt = tmp / source / "checkpoints" / ("last.ckpt" if source != "ref" else f"step{STEPS:07d}.ckpt")
         run(name, ranks, 2 * STEPS, *args, f"ckpt_path={ckpt}")
@@ -159,11 +157,13 @@ def test_a_moe_run_resumes_under_another_ep_size_exactly(runs, name):
     assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * 8)
 
 
-def test_loss_free_balancing_moves_the_same_biases_under_ep(runs):
-    """The routers' biases move by the step's global tokens per expert: ep=2 ends with one process's biases
-    (and weights; export refuses the biases, so the checkpoints are compared)."""
+@pytest.mark.parametrize("name", ["ep2_bias", "pp2_bias"])
+def test_loss_free_balancing_moves_the_same_biases(runs, name):
+    """The routers' biases move by the step's global tokens per expert: ep=2, and pp=2 under 1F1B (the step's
+    counts are its microbatches', not those of torch's shape inference) end with one process's biases (and
+    weights; export refuses the biases, so the checkpoints are compared)."""
     want = universal.read(runs / "ref_bias" / "checkpoints" / "last.ckpt").model
-    got = universal.read(runs / "ep2_bias" / "checkpoints" / "last.ckpt").model
+    got = universal.read(runs / name / "checkpoints" / "last.ckpt").model
     biases = [k for k in want if k.endswith("gate.expert_bias")]
     assert biases and all(want[k].abs().min() > 0 for k in biases)  # they moved (3 steps of +-0.01 or 0)
     for key, tensor in want.items():

@@ -26,17 +26,19 @@ MOE = ["strategy=model_parallel", "trainer.accelerator=cpu", "model=qwen3_moe_ti
         (["trainer.devices=3", "strategy.ep=3"], "strategy.ep=3 must divide model.num_experts=8"),
         (["trainer.devices=2", "strategy.ep=0"], "strategy.ep=0 is not valid; use an integer >= 1"),
         (["trainer.devices=4", "strategy.cp=2", "strategy.ep=2"], "strategy.ep=2 with strategy.cp=2 is not"),
+        (  # the default schedule: a backward before the step's second microbatch is routed
+            ["trainer.devices=2", "strategy.pp=2"],
+            "model.router_aux_loss_coef=0.01 balances the experts over the step's global batch, which "
+            "strategy.pp_schedule=1f1b has not routed before its first backward (strategy.pp_microbatches=2 "
+            "(the default)): use strategy.pp_schedule=gpipe, or loss-free balancing",
+        ),
         (
-            ["trainer.devices=2", "strategy.pp=2", "model.router_bias_update_rate=0.001"],
-            "model.router_bias_update_rate=0.001 with strategy.pp=2 is not supported",
+            ["trainer.devices=2", "strategy.pp=2", "strategy.pp_schedule=interleaved_1f1b"],
+            "strategy.pp_schedule=interleaved_1f1b has not routed before its first backward",
         ),
         (
             ["trainer.devices=2", "strategy.ep=2", "model=tiny"],
             "strategy.ep=2 shards a mixture of experts, but",
-        ),
-        (
-            ["trainer.devices=2", "strategy.ep=2", "activation_checkpointing=selective", "compile=true"],
-            "compile=true with activation_checkpointing=selective (activation_checkpointing_policy.mode=op) and",
         ),
     ],
 )
@@ -44,6 +46,19 @@ def test_a_layout_that_cannot_shard_the_experts_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         preflight(CONF_DIR, "train", [*MOE, *overrides])
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy.pp_schedule=gpipe"],  # every forward before the first backward
+        ["strategy.pp_schedule=gpipe", "strategy.pp_microbatches=1"],
+        ["model.router_aux_loss_coef=0", "model.router_bias_update_rate=0.001"],  # loss-free: any schedule
+        ["model.router_aux_loss_coef=0", "model.router_bias_update_rate=0.001", "strategy.pp_schedule=zbv"],
+    ],
+)
+def test_a_pipeline_that_sees_the_steps_counts_runs_a_moe(overrides):
+    preflight(CONF_DIR, "train", [*MOE, "trainer.devices=2", "strategy.pp=2", *overrides])
 
 
 def test_the_balancing_counts_add_up_over_the_ranks_with_other_tokens():

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import MLP
-from parallama.models.moe import MoE, auxiliary_loss, update_expert_biases
+from parallama.models.moe import (
+    MoE,
+    add_losses_in_backward,
+    auxiliary_loss,
+    pipeline_losses,
+    update_expert_biases,
+)
 
 H, WIDTH, E, K = 16, 8, 4, 2
 
@@ -118,23 +124,48 @@ def test_loss_free_bias_moves_towards_the_idle_experts():
         )
 
 
+def whole_batch_reference(batch, **kwargs) -> tuple[MoE, torch.Tensor]:
+    """One forward of the whole batch, its router losses added to a stand-in for the model's loss."""
+    moe = block(**kwargs)
+    loss = moe(batch).square().sum()
+    aux, metrics = auxiliary_loss([moe])
+    (loss + aux).backward()
+    return moe, metrics
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
-def test_a_stage_records_its_losses_once_per_forward_under_activation_checkpointing(checkpointed):
-    """In a pipeline stage (losses added in backward) a checkpointed block's recomputation, inside backward,
-    records nothing more, and the gradients (its losses' included) are those without checkpointing. torch's
-    early stop (on by default) ends a recomputation at its last saved tensor, before the record: off here."""
+def test_a_pipeline_stage_adds_the_whole_steps_losses_in_backward(checkpointed):
+    """A pipeline stage (`add_losses_in_backward`) running every microbatch's forward before the backwards
+    (gpipe), each microbatch's loss part of the step's (weight 1 / microbatches): the routers' gradients and the
+    losses' value are those of the whole batch in one forward, the balancing shares being the step's. Under
+    activation checkpointing the recomputation (a forward inside backward) records nothing more. torch's early
+    stop (on by default) ends a recomputation at its last saved tensor, before the record: off here."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    grads = []
-    for recompute in (False, checkpointed):
-        moe = block(aux_loss_coef=0.1, z_loss_coef=0.01)
-        moe.loss_in_backward = 0.5
-        for seed in (1, 2):  # two microbatches, each forward then backward
-            x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(seed))
-            with set_checkpoint_early_stop(False):
-                out = checkpoint(moe, x, use_reentrant=False) if recompute else moe(x)
-                out.square().sum().backward()
-        assert len(moe.microbatch_losses) == 2
-        grads.append([p.grad for p in moe.parameters()])
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want)
+    kwargs = dict(aux_loss_coef=0.1, z_loss_coef=0.01, bias_update_rate=0.5)
+    batch = torch.randn(4, 5, H, generator=torch.Generator().manual_seed(1))
+    whole, want = whole_batch_reference(batch, **kwargs)
+    moe = block(**kwargs)
+    add_losses_in_backward([moe], weight=1 / 2, microbatches=2)
+    with set_checkpoint_early_stop(False):
+        outs = [checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x) for x in batch.chunk(2)]
+        sum(out.square().sum() for out in outs).backward()
+    assert len(moe.stage.forwards) == 2 and moe.stage.backwards_saw == [2, 2]
+    for got, expected in zip(moe.parameters(), whole.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
+    value, metrics = pipeline_losses([moe], num_blocks=1, group=None, device="cpu")
+    torch.testing.assert_close(value, 0.1 * want["aux_loss"] + 0.01 * want["router_z_loss"])
+    for name in want:
+        torch.testing.assert_close(metrics[name], want[name])
+    torch.testing.assert_close(moe.step_tokens, whole.step_tokens)  # loss-free balancing: the step's counts
+    assert moe.stage is None
+
+
+def test_a_schedule_that_runs_a_backward_before_the_steps_last_forward_is_refused():
+    """1F1B's order (forward, backward, forward, backward): the first backward had half the step's counts."""
+    moe = block(aux_loss_coef=0.1)
+    add_losses_in_backward([moe], weight=1 / 2, microbatches=2)
+    for x in torch.randn(2, 5, H).unbind():
+        moe(x).sum().backward()
+    with pytest.raises(RuntimeError, match="ran a backward before every forward of its step"):
+        pipeline_losses([moe], num_blocks=1, group=None, device="cpu")

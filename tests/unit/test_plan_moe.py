@@ -25,7 +25,6 @@ from parallama.parallel.layouts import (
     expert_parallel,
     search,
     stage_params,
-    supported,
 )
 from parallama.parallel.plan import estimate, moe_activation_bytes, prefer_expert_parallel, profiles
 
@@ -138,17 +137,18 @@ def test_qwen3_moe_30b_a3b_on_8_h100s_is_planned_with_ep_8():
     check_layout(compose(planned), on_gpu=True)  # what parallama-train would check
 
 
-def test_what_train_refuses_for_a_moe_is_not_planned():
-    pp, biased = Layout(ParallelDims(dp_shard=4, pp=2)), replace(A3B, router_bias_update_rate=1e-3)
-    assert supported(A3B, pp) and not supported(biased, pp)
-    assert supported(biased, Layout(ParallelDims(dp_shard=8, ep=8)))
-    # 8 sequences on 100 GB GPUs: pp=2 x ep=4 with checkpointing is the first that fits; refused with loss-free
-    # balancing (no pipeline then), planned without (train runs checkpointing in a MoE's pipeline stages)
+def test_a_moe_pipeline_is_planned_with_a_schedule_train_runs():
+    """The load-balancing loss needs the step's counts before backward (gpipe); loss-free balancing any schedule."""
+    biased = replace(A3B, router_aux_loss_coef=0.0, router_bias_update_rate=1e-3)
+    # 8 sequences on 100 GB GPUs: pp=2 x ep=4 with checkpointing is the first that fits
     shape = {**SHAPE, "micro_batch": 8}
-    layout, ckpt, _ = search(A3B, nodes=1, gpus_per_node=8, **shape, gpu_memory_gb=100)
-    assert (layout.dims.pp, layout.dims.ep, ckpt) == (2, 4, True)
-    layout, ckpt, _ = search(biased, nodes=1, gpus_per_node=8, **shape, gpu_memory_gb=100)
-    assert layout is None or layout.dims.pp == 1
+    for config, schedule in ((A3B, "gpipe"), (biased, "1f1b")):
+        layout, ckpt, _ = search(config, nodes=1, gpus_per_node=8, **shape, gpu_memory_gb=100)
+        assert (layout.dims.pp, layout.dims.ep, ckpt, layout.pp_schedule) == (2, 4, True, schedule)
+    args = ["model=qwen3_moe_30b_a3b", "trainer.devices=8", "data.seq_len=4096", "data.batch_size=8"]
+    rec = plan(compose(args), 100, args)["recommendation"]
+    assert "strategy.pp=2" in rec["command"] and "strategy.pp_schedule=gpipe" in rec["command"]
+    check_layout(compose(rec["command"].split()[1:]), on_gpu=True)  # what parallama-train would check
 
 
 def test_prefer_expert_parallel_only_replaces_fully_sharded():

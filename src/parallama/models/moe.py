@@ -15,18 +15,21 @@ may arrive as a DTensor, whose local shard is this rank's experts, and that the 
 The losses are computed after the forward (`auxiliary_loss`), from what each block recorded: the tokens each
 expert received are summed over the ranks that hold other tokens (`MoE.count_group`, set by the parallel plan)
 before the load-balancing loss reads them, so the loss and its gradient are those of the global batch in every
-data-parallel layout (Qwen's global-batch balancing, Megatron's global_aux_loss).
+data-parallel layout (Qwen's global-batch balancing, Megatron's global_aux_loss). In a pipeline stage
+(`StageLosses`) each block adds its losses' gradient in backward, the shares of the whole step's tokens (every
+microbatch's) read when that backward runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from parallama.runtime import compat
 
@@ -88,7 +91,7 @@ class GroupedExperts(nn.Module):
         """x (N, H): tokens sorted by expert, `tokens_per_expert[e]` of them for expert e (this rank's experts
         under expert parallelism, whose weights are then DTensors sharded on the expert dimension)."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if hasattr(gate_up, "to_local"):
+        if isinstance(gate_up, DTensor):  # (torch.compile reads hasattr(gate_up, "to_local") as False)
             gate_up, down = gate_up.to_local(), down.to_local()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         gate, up = compat.grouped_mm(x, gate_up, offsets).chunk(2, dim=-1)
@@ -105,6 +108,23 @@ class Routing:
     z: Tensor
 
 
+@dataclass
+class StageLosses:
+    """A pipeline stage's block, whose rank forms no loss of the whole model: its router losses reach backward
+    through its activations, weighted `weight`, their balancing shares those of the step's `microbatches`
+    forwards (over the ranks that hold other tokens): the global batch's, as without a pipeline. A schedule
+    that runs every forward of a step before its first backward (gpipe) has them all when the first backward
+    needs them; parallel/layout_checks.py refuses the others."""
+
+    weight: float
+    microbatches: int
+    forwards: list[Routing] = field(
+        default_factory=list
+    )  # this step's, detached; torch's shape inference first
+    backwards_saw: list[int] = field(default_factory=list)  # how many forwards each backward came after
+    counts: tuple[int, Tensor] | None = None  # (forwards, the step's global tokens per expert then)
+
+
 class MoE(nn.Module):
     """The feed-forward of a mixture-of-experts block: each token goes to its router's top-k experts, their
     outputs weighted and summed; no capacity, no token dropped. `shared_experts` (an MLP of `shared_mlp`, built
@@ -116,8 +136,8 @@ class MoE(nn.Module):
 
     # The process group whose ranks hold other tokens (parallel/experts.py); None: this rank alone
     count_group = None
-    # In a pipeline stage: the weight of this block's losses, added in backward (`add_losses_in_backward`)
-    loss_in_backward: float | None = None
+    # In a pipeline stage: its losses added in backward (`add_losses_in_backward`)
+    stage: StageLosses | None = None
     # What the experts' call runs in (parallel/experts.py: outside per-op selective checkpointing under ep)
     experts_context = contextlib.nullcontext
 
@@ -151,8 +171,6 @@ class MoE(nn.Module):
         self.routing: Routing | None = None  # the last training forward's, until `auxiliary_loss` reads it
         # The global tokens per expert so far this step (loss-free balancing)
         self.step_tokens: Tensor | None = None
-        # In a pipeline stage: each microbatch's (loss, metrics), for `pipeline_losses`
-        self.microbatch_losses: list = []
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -183,34 +201,55 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if self.loss_in_backward is not None and torch.is_grad_enabled():
-            loss, metrics = auxiliary_loss([self])
-            out = _AddLossGradient.apply(out, loss, self.loss_in_backward)
-            if not _recomputing():  # recorded once per microbatch, from its first forward
-                self.microbatch_losses.append((loss.detach(), metrics))
+        if self.stage is not None and self.routing is not None:
+            routing, self.routing = self.routing, None
+            # An activation checkpoint's recomputation (a forward run inside backward) records nothing more.
+            if not compat.recomputing_in_backward():
+                self.stage.forwards.append(Routing(routing.tokens_per_expert, *_detached(routing)))
+            out = _AddRouterLossGradient.apply(out, routing.mean_probs, routing.z, self)
         return out.reshape(shape)
 
+    def step_counts(self) -> Tensor:
+        """In a pipeline stage: the step's tokens per expert, its last `microbatches` forwards' (torch's shape
+        inference runs one before them on its first step) summed over `count_group`; one all-reduce, again only
+        after another forward."""
+        stage = self.stage
+        if stage.counts is None or stage.counts[0] != len(stage.forwards):
+            recorded = stage.forwards[-stage.microbatches :]
+            counts = torch.stack([r.tokens_per_expert for r in recorded]).sum(0).float()
+            if self.count_group is not None:
+                dist.all_reduce(counts, group=self.count_group)
+            stage.counts = (len(stage.forwards), counts)
+        return stage.counts[1]
 
-def _recomputing() -> bool:
-    """A forward run inside backward: an activation checkpoint's recomputation (torch's non-reentrant
-    checkpoint recomputes from an unpack hook). It computes what the first forward did, the same balancing
-    counts (the all-reduce again: its saved shares must be the same), so only the logging skips it."""
-    return compat.recomputing_in_backward()
+
+def _detached(routing: Routing) -> tuple[Tensor, Tensor]:
+    return routing.mean_probs.detach(), routing.z.detach()
 
 
-class _AddLossGradient(torch.autograd.Function):
-    """x unchanged; in backward `loss` gets the gradient `weight` as if weight x loss were added to the model's
-    loss (Megatron's MoEAuxLossAutoScaler): a block's loss that reaches backward with its activations, where no
-    loss of the whole model is formed on this rank (a pipeline stage)."""
+class _AddRouterLossGradient(torch.autograd.Function):
+    """x unchanged; in backward the block's mean probabilities and z get the gradients of weight x (aux_loss_coef
+    x E x sum_e f_e P_e + z_loss_coef x z), as if that were added to the model's loss (Megatron's
+    MoEAuxLossAutoScaler, for a rank that forms no loss of the whole model), with f_e the shares of the step's
+    tokens read when this backward runs (`MoE.step_counts`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, loss: Tensor, weight: float) -> Tensor:
-        ctx.weight, ctx.like = weight, loss.detach()
+    def forward(ctx, x: Tensor, mean_probs: Tensor, z: Tensor, block: MoE) -> Tensor:
+        ctx.block = block
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, torch.full_like(ctx.like, ctx.weight), None
+        block, stage = ctx.block, ctx.block.stage
+        stage.backwards_saw.append(len(stage.forwards))
+        if len(stage.forwards) < stage.microbatches:  # torch's shape inference: its gradients are not kept
+            shares = grad.new_zeros(block.num_experts, dtype=torch.float32)
+        else:
+            counts = block.step_counts()
+            shares = counts * block.top_k / counts.sum()
+        d_probs = stage.weight * block.aux_loss_coef * block.num_experts * shares
+        d_z = torch.tensor(stage.weight * block.z_loss_coef, device=grad.device)
+        return grad, d_probs, d_z, None
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
@@ -256,31 +295,39 @@ def update_expert_biases(blocks: list[MoE]) -> None:
             block.step_tokens = None
 
 
-def add_losses_in_backward(blocks: list[MoE], weight: float | None) -> None:
-    """In a pipeline stage (whose rank forms no loss of the whole model): each block adds weight x its losses in
-    backward at every training forward, its balancing counts those of the microbatch over the data-parallel
-    ranks. None: collected after the forward by `auxiliary_loss`."""
+def add_losses_in_backward(blocks: list[MoE], weight: float, microbatches: int) -> None:
+    """Before a pipeline step (the stage's rank forms no loss of the whole model): each block adds weight x its
+    losses in backward at every training forward of the step's `microbatches` (`StageLosses`)."""
     for block in blocks:
-        block.loss_in_backward = weight
+        block.stage = StageLosses(weight, microbatches)
 
 
-def pipeline_losses(
-    blocks: list[MoE], num_blocks: int, microbatches: int, group
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The value (detached) and metrics of the losses this step's `microbatches` added in backward, over the
-    pipeline's stages (`group`: the pp ranks, every one of which calls this): the mean over microbatches of the
-    mean over the model's `num_blocks` sparse blocks, as `auxiliary_loss` gives without a pipeline. Only each
-    block's last `microbatches` forwards count: torch's first schedule step runs a stage once more on empty
-    tensors (its shapes' inference)."""
-    records = [(loss, m) for block in blocks for loss, m in block.microbatch_losses[-microbatches:]]
-    sums = torch.zeros(3, device=blocks[0].gate.weight.device if blocks else None)
-    worst = torch.zeros((), device=sums.device)
-    for loss, m in records:
-        sums += torch.stack([loss, m["aux_loss"], m["router_z_loss"]]).to(sums)
-        worst = torch.maximum(worst, m["expert_imbalance"].to(worst))
+def pipeline_losses(blocks: list[MoE], num_blocks: int, group, device) -> tuple[Tensor, dict[str, Tensor]]:
+    """After a pipeline step: the value (detached) and metrics of the losses its microbatches added in backward,
+    over the pipeline's stages (`group`: the pp ranks, every one of which calls this; None: this rank's
+    stages hold every block): the mean over the model's
+    `num_blocks` sparse blocks of the step's losses, what `auxiliary_loss` gives without a pipeline for the
+    whole batch. Refuses a step whose backward came before a forward of the same step: its shares were not the
+    step's (a schedule parallel/layout_checks.py refuses)."""
+    sums, worst = torch.zeros(3, device=device), torch.zeros((), device=device)
     for block in blocks:
-        block.microbatch_losses = []
-    sums /= microbatches * num_blocks
-    dist.all_reduce(sums, group=group)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        stage, forwards = block.stage, block.stage.forwards[-block.stage.microbatches :]
+        if stage.backwards_saw[-stage.microbatches :] != [len(stage.forwards)] * stage.microbatches:
+            raise RuntimeError(
+                "a pipeline schedule ran a backward before every forward of its step: the router's load-balancing "
+                "shares were not the step's (use strategy.pp_schedule=gpipe)"
+            )
+        counts = block.step_counts()
+        share = counts * block.top_k / counts.sum()
+        aux = torch.stack([block.num_experts * (share * r.mean_probs).sum() for r in forwards]).mean()
+        z = torch.stack([r.z for r in forwards]).mean()
+        sums += torch.stack([block.aux_loss_coef * aux + block.z_loss_coef * z, aux, z])
+        worst = torch.maximum(worst, counts.amax() / counts.mean())
+        if block.gate.bias_update_rate:
+            block.step_tokens = counts if block.step_tokens is None else block.step_tokens + counts
+        block.stage = None
+    sums /= num_blocks
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return sums[0], {"aux_loss": sums[1], "router_z_loss": sums[2], "expert_imbalance": worst}

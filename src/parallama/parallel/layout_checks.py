@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 
 from parallama.errors import ConfigError
 from parallama.parallel.dims import dims_of_config
+from parallama.parallel.options import FORWARDS_FIRST, SINGLE_STAGE, V_SHAPED, stages_per_rank
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
-from parallama.parallel.options import SINGLE_STAGE, V_SHAPED, ACOptions, stages_per_rank
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -29,12 +29,6 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
-    if dims.pp > 1 and cfg.model.get("router_bias_update_rate"):
-        raise ConfigError(
-            f"model.router_bias_update_rate={cfg.model.router_bias_update_rate} with strategy.pp={dims.pp} is "
-            "not supported (the step's expert counts would include torch's shape-inference pass); use "
-            "router_aux_loss_coef or strategy.pp=1"
-        )
     if dims.tp > 1 and cfg.compile and not on_gpu:
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
@@ -52,14 +46,6 @@ def _check_expert_parallel(cfg: DictConfig, ep: int) -> None:
         )
     if experts % ep:
         raise ConfigError(f"strategy.ep={ep} must divide model.num_experts={experts}")
-    ac = ACOptions.of(cfg.get("activation_checkpointing"))
-    policy = (cfg.get("activation_checkpointing_policy") or {}).get("mode", "op")
-    if cfg.get("compile") and ac.mode == "selective" and policy == "op":
-        raise ConfigError(
-            f"compile=true with activation_checkpointing=selective (activation_checkpointing_policy.mode=op) and "
-            f"strategy.ep={ep} is not supported (the experts leave the per-op checkpoint's dispatch modes, which "
-            "compiled blocks trace); use compile=false, activation_checkpointing=full or the every_n policy"
-        )
 
 
 def _check_pipeline(cfg: DictConfig, pp: int) -> None:
@@ -117,6 +103,14 @@ def _check_pipeline(cfg: DictConfig, pp: int) -> None:
         raise ConfigError(
             f"{name}: strategy.pp_schedule={schedule} needs a multiple of {rounds} microbatches "
             f"(microbatches // strategy.pp rounds); e.g. {pp * rounds}"
+        )
+    coef = model.get("router_aux_loss_coef")
+    if coef and microbatches > 1 and schedule not in FORWARDS_FIRST:
+        raise ConfigError(
+            f"model.router_aux_loss_coef={coef} balances the experts over the step's global batch, which "
+            f"strategy.pp_schedule={schedule} has not routed before its first backward ({name}): use "
+            "strategy.pp_schedule=gpipe, or loss-free balancing (model.router_aux_loss_coef=0 "
+            "model.router_bias_update_rate=0.001)"
         )
 
 

@@ -202,9 +202,17 @@ def candidates(c, *, nodes: int, gpus_per_node: int, seq_len: int, micro_batch: 
                     dims = ParallelDims(dp_replicate, rest // dp_replicate, cp, tp, pp)
                     sp = tp > 1 and (seq_len // cp) % tp == 0
                     found += [
-                        Layout(replace(dims, ep=ep), sp) for ep in expert_parallel(c, dims, gpus_per_node)
+                        Layout(replace(dims, ep=ep), sp, pipeline_schedule(c, pp))
+                        for ep in expert_parallel(c, dims, gpus_per_node)
                     ]
     return sorted(found, key=lambda x: (x.dims.pp, x.dims.cp, x.dims.tp, -x.dims.dp_replicate))
+
+
+def pipeline_schedule(c, pp: int) -> str:
+    """1F1B, or for a mixture of experts balanced by its load-balancing loss gpipe: its balancing counts are the
+    step's, which only a schedule that runs every forward first has before backward (parallel/layout_checks.py).
+    At the default microbatches (one per stage) gpipe holds as many in flight as 1F1B."""
+    return "gpipe" if pp > 1 and getattr(c, "router_aux_loss_coef", 0) else "1f1b"
 
 
 def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
@@ -221,12 +229,6 @@ def expert_parallel(c, dims: ParallelDims, gpus_per_node: int) -> list[int]:
         if c.num_experts % ep == 0 and gpus_per_node % (ep * dims.tp) == 0
     ]
     return sorted(fit, reverse=True)
-
-
-def supported(c, layout: Layout) -> bool:
-    """What parallel/layout_checks.py refuses for a mixture of experts in a layout the search tries: loss-free
-    balancing under a pipeline (activation checkpointing, full or per op, runs with pp and ep)."""
-    return not (hasattr(c, "num_experts") and layout.dims.pp > 1 and c.router_bias_update_rate)
 
 
 def search(
@@ -254,6 +256,6 @@ def search(
             ckpt: estimate_layout(c, layout, activation_checkpointing=ckpt, **shape) for ckpt in checkpointing
         }
         for ckpt in checkpointing:
-            if plans[ckpt].fits(gpu_memory_gb) and supported(c, layout):
+            if plans[ckpt].fits(gpu_memory_gb):
                 return layout, ckpt, plans
     return None, None, {}

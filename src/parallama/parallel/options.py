@@ -38,6 +38,9 @@ SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
+# Schedules that run every microbatch's forward before the first backward (what a mixture of experts' global-batch
+# load balancing needs under a pipeline: models/moe.py `StageLosses`)
+FORWARDS_FIRST = ("gpipe",)
 V_SHAPED = ("zbv", "dualpipev")
 # Zero-bubble schedules split each backward into the input gradients (sent upstream at once) and the weight
 # gradients (computed later, filling the bubble). torch computes those against the parameters the forward used,

@@ -189,7 +189,10 @@ class CausalLM(L.LightningModule):
         data-parallel ranks); logs the mean over the data-parallel replicas, what one process logs for the global
         batch."""
         loss = self.step_loss(batch)
-        mean = self.replica_mean(loss)
+        metrics = self.auxiliary_metrics  # the model's own (router losses): logged as their replica mean too
+        # one all-reduce for the loss and the metrics: their means over the replicas
+        means = self.replica_mean(torch.stack([loss.detach(), *(m.to(loss) for m in metrics.values())]))
+        mean = means[0]
         # Reading the loss waits for the GPU, so check on logging steps only (every step on CPU).
         check = syncs.reads_now(self.trainer, self.global_step + 1)
         if check and not torch.isfinite(mean):
@@ -201,10 +204,8 @@ class CausalLM(L.LightningModule):
         # not prog_bar, and CPU tensors: neither waits for a GPU (training/syncs.py)
         self.log("train/loss", mean)
         self.log("train/tokens_seen", torch.tensor(float(self.tokens_seen)))
-        if metrics := self.auxiliary_metrics:  # the same value on every rank: their mean
-            means = self.replica_mean(torch.stack(list(metrics.values())))
-            for name, value in zip(metrics, means):
-                self.log(f"train/{name}", value)
+        for name, value in zip(metrics, means[1:]):
+            self.log(f"train/{name}", value)
         return loss
 
     def optimizer_step(self, *args, **kwargs) -> None:

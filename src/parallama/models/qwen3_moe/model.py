@@ -46,7 +46,6 @@ class Qwen3Moe(Qwen3):
             block.init_weights(std, std / math.sqrt(2 * self.config.num_hidden_layers))
 
     pipeline_group = None  # under a pipeline, its pp ranks (set by the parallel plan: parallelize.py)
-    microbatches = 1  # under a pipeline, the microbatches of a step (`auxiliary_loss_in_backward`)
 
     def sparse_blocks(self) -> int:
         return sum(self.config.is_sparse(i) for i in range(self.config.num_hidden_layers))
@@ -56,16 +55,16 @@ class Qwen3Moe(Qwen3):
         the value and metrics of those its microbatches added in backward."""
         blocks = moe.moe_blocks(self)
         if self.pipeline_group is not None:
-            return moe.pipeline_losses(blocks, self.sparse_blocks(), self.microbatches, self.pipeline_group)
+            device = next(self.parameters()).device  # a stage may hold no sparse block
+            return moe.pipeline_losses(blocks, self.sparse_blocks(), self.pipeline_group, device)
         return moe.auxiliary_loss(blocks)
 
     def auxiliary_loss_in_backward(self, microbatches: int, accumulate: int) -> None:
         """Under a pipeline: each microbatch's router losses, weighted 1 / (microbatches x accumulation x
         sparse blocks), reach backward through the blocks' activations (only the last stage forms the recipe's
-        loss)."""
-        self.microbatches = microbatches
+        loss), balanced by the whole step's tokens per expert."""
         weight = 1 / (microbatches * accumulate * self.sparse_blocks())
-        moe.add_losses_in_backward(moe.moe_blocks(self), weight)
+        moe.add_losses_in_backward(moe.moe_blocks(self), weight, microbatches)
 
     def after_optimizer_step(self) -> None:
         moe.update_expert_biases(moe.moe_blocks(self))

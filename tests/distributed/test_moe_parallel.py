@@ -1,16 +1,14 @@
-"""Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on
-(load balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation
-checkpointing: the all-to-alls run again in backward, and per-op selective: the experts recomputed whole, also
-compiled),
-ep=2 x dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, two microbatches: the
-stages add their router losses in backward, balanced by the step's counts of both; also per-op selective)
-(4 ranks), pp=2 with full checkpointing (a stage's recomputation adds them again in backward) and without experts
-sharded cp=2 and ddp at 2 ranks, each end with the weights of one process after 3 steps (1e-5) and log the same
-loss, load-balancing loss and expert imbalance at every step: the balancing counts are the global batch's in
-every layout (with each rank's own counts instead, ddp at 2 ranks ends 8e-4 away from one process on the routers,
-measured). A step-3 checkpoint of ep=2 x dp_shard=2 resumed as one process, and one process's resumed as ep=2,
-equal the uninterrupted run at step 6. With DeepSeek-V3's loss-free balancing instead, ep=2 and pp=2 (1F1B) move
-the routers' biases as one process does."""
+"""Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on (load
+balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation checkpointing:
+the all-to-alls run again in backward, and per-op selective: the experts recomputed whole, also compiled), ep=2 x
+dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, two microbatches: the stages add
+their router losses in backward, balanced by the step's counts of both; also per-op selective) (4 ranks), pp=2 with
+full checkpointing (a stage's recomputation records no more counts) and without experts sharded cp=2 and ddp at 2
+ranks, each end with the weights of one process after 3 steps (1e-5) and log the same loss, load-balancing loss and
+expert imbalance at every step: the balancing counts are the global batch's in every layout (with each rank's own
+counts instead, ddp at 2 ranks ends 8e-4 away from one process on the routers, measured). A step-3 checkpoint of
+ep=2 x dp_shard=2 resumed as one process, and one process's resumed as ep=2, equal the uninterrupted run at step 6.
+With DeepSeek-V3's loss-free balancing instead, ep=2 and pp=2 (1F1B) move the routers' biases as one process does."""
 
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
     ),
     # gpipe (every forward before the backwards), two microbatches: the balancing counts are both's
     "pp2_ep2": (4, [MP, "strategy.pp=2", "strategy.ep=2", "strategy.pp_schedule=gpipe", "data.batch_size=4"]),
-    # full checkpointing in the stages: a recomputed forward adds its router losses' gradient as the first did
+    # full checkpointing in the stages: a recomputed forward (inside backward) records no more counts
     "pp2_full_ac": (
         2,
         [

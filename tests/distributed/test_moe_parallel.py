@@ -76,10 +76,9 @@ PARITY = {  # name: (ranks, overrides); every layout trains on the global batch 
     "cp2": (2, [MP, "strategy.cp=2", "data.batch_size=8"]),  # the balancing counts add up over cp ranks too
     "ddp": (2, ["strategy=ddp", "data.batch_size=4"]),
 }
-BIAS = [
-    "model.router_bias_update_rate=0.01",
-    "model.router_aux_loss_coef=0",
-]  # DeepSeek-V3's loss-free balancing
+# DeepSeek-V3's loss-free balancing, the sparse block last: on pp=2's last stage, where 1F1B runs each
+# microbatch's backward before the next forward
+BIAS = ["model.router_bias_update_rate=0.01", "model.router_aux_loss_coef=0", "model.mlp_only_layers=[0]"]
 RESUMES = {  # name: (source run, ranks, overrides)
     "ep2_dp_shard2_to_1": ("ep2_dp_shard2", 1, ["data.batch_size=8"]),
     "1_to_ep2": ("ref", 2, [MP, "strategy.ep=2", "data.batch_size=4"]),

@@ -169,3 +169,19 @@ def test_a_schedule_that_runs_a_backward_before_the_steps_last_forward_is_refuse
         moe(x).sum().backward()
     with pytest.raises(RuntimeError, match="ran a backward before every forward of its step"):
         pipeline_losses([moe], num_blocks=1, group=None, device="cpu")
+
+
+def test_loss_free_balancing_in_a_stage_takes_the_steps_counts_under_any_schedule():
+    """Without the load-balancing loss nothing in backward reads the counts: 1F1B's order is fine, and the bias
+    moves by the step's microbatches' counts (the z-loss gradient still added)."""
+    batch = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(5))
+    kwargs = dict(z_loss_coef=0.01, bias_update_rate=0.5)
+    whole, _ = whole_batch_reference(batch, **kwargs)
+    moe = block(**kwargs)
+    add_losses_in_backward([moe], weight=1 / 2, microbatches=2)
+    for x in batch.unbind():
+        moe(x).square().sum().backward()
+    pipeline_losses([moe], num_blocks=1, group=None, device="cpu")
+    torch.testing.assert_close(moe.step_tokens, whole.step_tokens)
+    for got, expected in zip(moe.parameters(), whole.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)

@@ -121,7 +121,8 @@ class StageLosses:
     forwards: list[Routing] = field(
         default_factory=list
     )  # this step's, detached; torch's shape inference first
-    backwards_saw: list[int] = field(default_factory=list)  # how many forwards each backward came after
+    # with the load-balancing loss: how many forwards each backward came after
+    backwards_saw: list[int] = field(default_factory=list)
     counts: tuple[int, Tensor] | None = None  # (forwards, the step's global tokens per expert then)
 
 
@@ -241,14 +242,19 @@ class _AddRouterLossGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         block, stage = ctx.block, ctx.block.stage
-        stage.backwards_saw.append(len(stage.forwards))
-        if len(stage.forwards) < stage.microbatches:  # torch's shape inference: its gradients are not kept
-            shares = grad.new_zeros(block.num_experts, dtype=torch.float32)
-        else:
-            counts = block.step_counts()
-            shares = counts * block.top_k / counts.sum()
-        d_probs = stage.weight * block.aux_loss_coef * block.num_experts * shares
-        d_z = torch.tensor(stage.weight * block.z_loss_coef, device=grad.device)
+        d_probs = d_z = None
+        if block.aux_loss_coef:
+            stage.backwards_saw.append(len(stage.forwards))
+            if (
+                len(stage.forwards) < stage.microbatches
+            ):  # torch's shape inference: its gradients are not kept
+                shares = grad.new_zeros(block.num_experts, dtype=torch.float32)
+            else:
+                counts = block.step_counts()
+                shares = counts * block.top_k / counts.sum()
+            d_probs = stage.weight * block.aux_loss_coef * block.num_experts * shares
+        if block.z_loss_coef:
+            d_z = torch.tensor(stage.weight * block.z_loss_coef, device=grad.device)
         return grad, d_probs, d_z, None
 
 
@@ -312,7 +318,8 @@ def pipeline_losses(blocks: list[MoE], num_blocks: int, group, device) -> tuple[
     sums, worst = torch.zeros(3, device=device), torch.zeros((), device=device)
     for block in blocks:
         stage, forwards = block.stage, block.stage.forwards[-block.stage.microbatches :]
-        if stage.backwards_saw[-stage.microbatches :] != [len(stage.forwards)] * stage.microbatches:
+        saw = stage.backwards_saw[-stage.microbatches :]
+        if block.aux_loss_coef and saw != [len(stage.forwards)] * stage.microbatches:
             raise RuntimeError(
                 "a pipeline schedule ran a backward before every forward of its step: the router's load-balancing "
                 "shares were not the step's (use strategy.pp_schedule=gpipe)"

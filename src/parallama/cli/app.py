@@ -121,7 +121,8 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
 
             if status == 0:
-                log.warning(line)
+                if not getattr(err, "said", False):
+                    log.warning(line)
             elif log_errors:
                 log.error(line)
             else:
@@ -150,7 +151,7 @@ def exit_status(err: BaseException) -> tuple[int | None, str]:
     if isinstance(err, TrainingDiverged):
         return EXIT_DIVERGED, f"error: {err}"
     if isinstance(err, faults.Preempted):
-        return 0, f"{err}; resume with ckpt_path=last"
+        return 0, err.line
     if isinstance(err, faults.RankDied):
         return faults.EXIT_RANK_DIED, str(err)
     return None, ""

@@ -31,7 +31,17 @@ class RankDied(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0."""
+    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0, its last
+    line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
+    then SIGKILL, while its ranks wind down)."""
+
+    def __init__(self, message: str, said: bool = False):
+        super().__init__(message)
+        self.said = said
+
+    @property
+    def line(self) -> str:
+        return f"{self}; resume with ckpt_path=last"
 
 
 def check_multi_node(num_nodes: int) -> None:

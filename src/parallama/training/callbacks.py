@@ -154,6 +154,7 @@ class PreemptionCheckpoint(Callback):
         self._sigterm_before_lightning = None
         self._checked_step: int | None = None
         self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
+        self._requeued = False  # the requeue signal came: SLURM's SIGTERM follows (`_restore`)
         # a single device's strategy holds no cluster environment: training/run.py gives the run's SLURM one here
         self.slurm_environment: SLURMEnvironment | None = None
         global _stop_signal
@@ -203,10 +204,15 @@ class PreemptionCheckpoint(Callback):
             name = signal.Signals(signum).name
             message = f"stopped by {name} at step {trainer.global_step}; last checkpoint: {self.path}"
             if signum == self._requeue:
+                self._requeued = True
                 trainer.strategy.barrier("requeue")  # every rank has saved
-                message += "; " + (
-                    requeue_slurm_job() if trainer.is_global_zero else "rank 0 requeues the job"
-                )
+                if not trainer.is_global_zero:
+                    raise Preempted(f"{message}; rank 0 requeues the job")
+                # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
+                # last line, in tests/slurm/test_srun.py)
+                stopped = Preempted(f"{message}; {requeue_slurm_job()}", said=True)
+                log.warning(stopped.line)
+                raise stopped
             raise Preempted(message)
 
     def _agree_now(self, trainer) -> bool:
@@ -220,8 +226,11 @@ class PreemptionCheckpoint(Callback):
         self._restore()
 
     def _restore(self) -> None:
+        """The handlers from before; but after a requeue SIGTERM stays recorded, not fatal: `scontrol requeue` ends
+        the job with it while the ranks wind down (and SIGKILL after its KillWait)."""
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if not (self._requeued and signum == signal.SIGTERM):
+                signal.signal(signum, handler)
         self._previous = {}
 
 

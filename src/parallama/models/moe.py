@@ -118,9 +118,8 @@ class StageLosses:
 
     weight: float
     microbatches: int
-    forwards: list[Routing] = field(
-        default_factory=list
-    )  # this step's, detached; torch's shape inference first
+    # this step's, detached (on its first step torch's shape inference comes first)
+    forwards: list[Routing] = field(default_factory=list)
     # with the load-balancing loss: how many forwards each backward came after
     backwards_saw: list[int] = field(default_factory=list)
     counts: tuple[int, Tensor] | None = None  # (forwards, the step's global tokens per expert then)
@@ -206,7 +205,8 @@ class MoE(nn.Module):
             routing, self.routing = self.routing, None
             # An activation checkpoint's recomputation (a forward run inside backward) records nothing more.
             if not compat.recomputing_in_backward():
-                self.stage.forwards.append(Routing(routing.tokens_per_expert, *_detached(routing)))
+                detached = Routing(routing.tokens_per_expert, routing.mean_probs.detach(), routing.z.detach())
+                self.stage.forwards.append(detached)
             out = _AddRouterLossGradient.apply(out, routing.mean_probs, routing.z, self)
         return out.reshape(shape)
 
@@ -222,10 +222,6 @@ class MoE(nn.Module):
                 dist.all_reduce(counts, group=self.count_group)
             stage.counts = (len(stage.forwards), counts)
         return stage.counts[1]
-
-
-def _detached(routing: Routing) -> tuple[Tensor, Tensor]:
-    return routing.mean_probs.detach(), routing.z.detach()
 
 
 class _AddRouterLossGradient(torch.autograd.Function):
@@ -245,9 +241,8 @@ class _AddRouterLossGradient(torch.autograd.Function):
         d_probs = d_z = None
         if block.aux_loss_coef:
             stage.backwards_saw.append(len(stage.forwards))
-            if (
-                len(stage.forwards) < stage.microbatches
-            ):  # torch's shape inference: its gradients are not kept
+            if len(stage.forwards) < stage.microbatches:
+                # torch's shape inference, before the step's forwards: its gradients are not kept
                 shares = grad.new_zeros(block.num_experts, dtype=torch.float32)
             else:
                 counts = block.step_counts()
@@ -310,11 +305,11 @@ def add_losses_in_backward(blocks: list[MoE], weight: float, microbatches: int) 
 
 def pipeline_losses(blocks: list[MoE], num_blocks: int, group, device) -> tuple[Tensor, dict[str, Tensor]]:
     """After a pipeline step: the value (detached) and metrics of the losses its microbatches added in backward,
-    over the pipeline's stages (`group`: the pp ranks, every one of which calls this; None: this rank's
-    stages hold every block): the mean over the model's
-    `num_blocks` sparse blocks of the step's losses, what `auxiliary_loss` gives without a pipeline for the
-    whole batch. Refuses a step whose backward came before a forward of the same step: its shares were not the
-    step's (a schedule parallel/layout_checks.py refuses)."""
+    over the pipeline's stages (`group`: the pp ranks, every one of which calls this; None: this rank's stages
+    hold every block): the mean over the model's `num_blocks` sparse blocks of the step's losses, what
+    `auxiliary_loss` gives without a pipeline for the whole batch. Raises where a backward came before a forward
+    of the same step under the load-balancing loss: its shares were not the step's (a schedule
+    parallel/layout_checks.py refuses)."""
     sums, worst = torch.zeros(3, device=device), torch.zeros((), device=device)
     for block in blocks:
         stage, forwards = block.stage, block.stage.forwards[-block.stage.microbatches :]

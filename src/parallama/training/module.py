@@ -191,7 +191,8 @@ class CausalLM(L.LightningModule):
         loss = self.step_loss(batch)
         metrics = self.auxiliary_metrics  # the model's own (router losses): logged as their replica mean too
         # one all-reduce for the loss and the metrics: their means over the replicas
-        means = self.replica_mean(torch.stack([loss.detach(), *(m.to(loss) for m in metrics.values())]))
+        values = [loss.detach(), *(m.to(loss.device) for m in metrics.values())]
+        means = self.replica_mean(torch.stack([v.float() for v in values]))
         mean = means[0]
         # Reading the loss waits for the GPU, so check on logging steps only (every step on CPU).
         check = syncs.reads_now(self.trainer, self.global_step + 1)

@@ -130,7 +130,7 @@ def test_cli_json_and_one_line_errors(capsys):
 # --- estimates vs measurements ------------------------------------------------------------------
 
 
-def _saved_bytes(model: Llama, ids: torch.Tensor) -> int:
+def saved_bytes(model, ids: torch.Tensor) -> int:
     """Bytes autograd saves for backward in one forward + loss (each storage once, parameters excluded)."""
     storages = {}
 
@@ -147,13 +147,13 @@ def _saved_bytes(model: Llama, ids: torch.Tensor) -> int:
 def test_saved_activation_bytes_match_the_estimate_in_fp32():
     torch.manual_seed(0)
     ids = torch.randint(0, SMALL.vocab_size, (2, 128))
-    measured = _saved_bytes(Llama(SMALL), ids)
+    measured = saved_bytes(Llama(SMALL), ids)
     expected = plans(seq_len=128)["ddp"].activations
     # CPU runs RMSNorm unfused, which also saves the normalized input: +2h per layer and token (~9% here).
     assert 1.0 <= measured / expected < 1.25, measured / expected
     model = Llama(SMALL)
     apply_ac(model)  # what activation_checkpointing=true applies, without Lightning
-    checkpointed = _saved_bytes(model, ids)
+    checkpointed = saved_bytes(model, ids)
     assert checkpointed < plans(seq_len=128, checkpointing=True)["ddp"].activations < expected / 2
 
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
+from test_plan import saved_bytes
 
 from parallama import CONF_DIR
 from parallama.cli.plan import compose, main, plan
@@ -49,20 +49,6 @@ A3B = Qwen3MoeConfig(**fields)
 SHAPE = dict(seq_len=4096, micro_batch=1, precision="bf16-mixed")
 
 
-def _saved_bytes(model, ids) -> int:
-    """Bytes autograd saves for backward in one forward + loss (each storage once, parameters excluded)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 def _activations(c, checkpointing=False) -> int:
     shape = dict(world_size=1, seq_len=128, micro_batch=2, precision="32-true")
     return estimate(c, **shape, activation_checkpointing=checkpointing, strategies=DDP)["ddp"].activations
@@ -72,14 +58,14 @@ def test_saved_activation_bytes_of_a_mixture_of_experts_match_the_estimate_in_fp
     """Three sparse blocks and a dense one; without the experts' term the estimate is 1.7x short."""
     torch.manual_seed(0)
     ids = torch.randint(0, SMALL.vocab_size, (2, 128))
-    measured, expected = _saved_bytes(Qwen3Moe(SMALL), ids), _activations(SMALL)
+    measured, expected = saved_bytes(Qwen3Moe(SMALL), ids), _activations(SMALL)
     # CPU runs RMSNorm unfused, which also saves the normalized input (as the Llama's test_plan says)
     assert 1.0 <= measured / expected < 1.2, measured / expected
     dense_only = expected - moe_activation_bytes(SMALL, 256, 4, False)
     assert measured / dense_only > 1.6
     model = Qwen3Moe(SMALL)
     apply_ac(model)
-    assert _saved_bytes(model, ids) < _activations(SMALL, True) < expected / 2
+    assert saved_bytes(model, ids) < _activations(SMALL, True) < expected / 2
 
 
 def test_a_mixture_of_experts_with_a_dense_block_is_planned_whole_and_in_stages():

@@ -11,8 +11,8 @@ import transformers
 from omegaconf import OmegaConf
 from test_model_seams import SHAPE as LLAMA_SHAPE
 from test_model_seams import one_line
-from test_plan import _saved_bytes
 from test_plan import plans as estimate_plans
+from test_plan import saved_bytes
 from torch.distributed.tensor import DTensor
 
 from parallama import CONF_DIR
@@ -37,7 +37,11 @@ SHAPE = {**LLAMA_SHAPE, "head_dim": 24}  # head_dim 24 != hidden_size / num_atte
 def qwen3(tie=False, seed=0, **overrides) -> Qwen3:
     """A Qwen3 with random weights, its norms too (all ones would hide a norm applied twice or not at all)."""
     torch.manual_seed(seed)
-    model = Qwen3(Qwen3Config(**{**SHAPE, **overrides}, tie_word_embeddings=tie)).eval()
+    return random_norms(Qwen3(Qwen3Config(**{**SHAPE, **overrides}, tie_word_embeddings=tie)).eval())
+
+
+def random_norms(model):
+    """The model with its norm weights drawn around 1 (all ones would hide a norm applied twice or not at all)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -85,11 +89,7 @@ def test_a_qwen3_folder_from_transformers_loads_into_ours(tmp_path, tie):
     """What init_from and model_dir= read: a folder transformers wrote (its rope_parameters, its tying)."""
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**{**SHAPE, "rms_norm_eps": 1e-6, "tie_word_embeddings": tie})
-    theirs = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
+    theirs = random_norms(transformers.Qwen3ForCausalLM(config).eval())
     theirs.save_pretrained(tmp_path)
     spec = spec_for_hf_folder(tmp_path)
     ours = spec.model(spec.hf.load_hf_config(tmp_path, spec.config)).eval()
@@ -134,7 +134,7 @@ def test_saved_activation_bytes_match_the_planners_estimate():
     RMSNorm unfused, which also saves each normalized input: 2h + q + kv more per layer and token (~20% here)."""
     config = Qwen3Config(**{**SHAPE, "num_hidden_layers": 4})
     ids = torch.randint(0, 320, (2, 128), generator=torch.Generator().manual_seed(0))
-    measured = _saved_bytes(Qwen3(config), ids)
+    measured = saved_bytes(Qwen3(config), ids)
     expected = estimate_plans(config, seq_len=128)["ddp"].activations
     assert 1.0 <= measured / expected < 1.25, measured / expected
 

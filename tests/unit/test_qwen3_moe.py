@@ -9,6 +9,7 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 from test_model_seams import one_line
+from test_qwen3 import logits, random_norms
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
@@ -38,18 +39,7 @@ SHAPE = dict(
 def qwen3_moe(seed=0, **overrides) -> Qwen3Moe:
     """Random weights, the norms too (all ones would hide a norm applied twice or not at all)."""
     torch.manual_seed(seed)
-    model = Qwen3Moe(Qwen3MoeConfig(**{**SHAPE, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    return model
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        out = model(ids)
-    return getattr(out, "logits", out)
+    return random_norms(Qwen3Moe(Qwen3MoeConfig(**{**SHAPE, **overrides})).eval())
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -98,15 +98,6 @@ class ExpertParallel:
         return _AllToAll.apply(y, self.input_splits, self.output_splits, self.group)
 
 
-def outside_selective_checkpointing():
-    """The experts' call (their own FSDP hooks, the all-to-alls, the grouped GEMMs) outside per-op selective
-    checkpointing's dispatch modes, which require the recomputation to run the forward's ops: the experts' FSDP
-    state differs in backward (torch raised 'profiler._record_function_enter_new.default invocation index 2
-    encountered during backward but not found'). The checkpoint's saved-tensor hooks still hold: the experts are
-    recomputed whole, as under full checkpointing (all-to-alls again), the rest of the block per op."""
-    return compat.outside_selective_checkpointing()
-
-
 def apply_ep(model, options) -> None:
     """Expert parallelism (`strategy.ep`, options.dims.ep > 1) on every mixture-of-experts block of `model`,
     before the family's plan: each block's experts sharded over the ep ranks with all-to-all dispatch and combine
@@ -125,7 +116,7 @@ def apply_ep(model, options) -> None:
     for block in moe_blocks(model):
         ExpertParallel(block.experts, mesh["ep"])
         if ac.mode == "selective" and ac.policy == "op":
-            block.experts_context = outside_selective_checkpointing
+            block.experts_context = compat.outside_selective_checkpointing  # recomputed whole
         if fsdp is not None:
             kwargs = fsdp_kwargs(mesh[dp], fsdp.mixed_precision, fsdp.cpu_offload)
             fully_shard(block.experts, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)

@@ -404,8 +404,12 @@ def recomputing_in_backward() -> bool:
 
 @contextmanager
 def outside_selective_checkpointing():
-    """Run the block inside outside per-op selective checkpointing's dispatch modes (where they are active): the
-    checkpoint's saved-tensor hooks still hold, so the region is recomputed whole, as under full checkpointing."""
+    """Run the block outside per-op selective checkpointing's dispatch modes (where they are active),
+    which require the recomputation to run the forward's ops: a MoE's experts under expert parallelism (their own
+    FSDP hooks, the all-to-alls, the grouped GEMMs; their FSDP state differs in backward, and torch raised
+    'profiler._record_function_enter_new.default invocation index 2 encountered during backward but not found').
+    The checkpoint's saved-tensor hooks still hold, so the region is recomputed whole, as under full
+    checkpointing (the all-to-alls again), the rest of the block per op."""
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 

@@ -21,9 +21,10 @@ def test_one_dp_size_takes_the_rest_of_the_world():
         (6, {"tp": 4}, "the layout dp_shard=-1 x tp=4 needs a multiple of 4 ranks, but the world size is 6"),
         (8, {"dp_shard": 2, "tp": 2}, "the layout dp_shard=2 x tp=2 is 4 ranks, but the world size is 8"),
         (8, {"dp_replicate": -1, "dp_shard": -1}, "are both -1"),
-        (8, {"tp": -1}, "strategy.tp=-1: only dp_replicate or dp_shard may take the rest"),
+        (8, {"tp": -1}, "strategy.tp=-1 is not valid; use an integer >= 1"),  # -1: a dp size only
         (8, {"cp": 0}, "strategy.cp=0 is not valid"),
-        (8, {"pp": True}, "strategy.pp=True is not valid"),
+        (8, {"pp": True}, "strategy.pp=true is not valid"),
+        (8, {"ep": 0}, "strategy.ep=0 is not valid; use an integer >= 1"),
     ],
 )
 def test_a_layout_that_does_not_fit_the_world_is_one_line(world, sizes, message):

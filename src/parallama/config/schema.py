@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from parallama.config.rules import Check, Rule, check_value, key, rules
-from parallama.parallel.options import AC_MODES, AC_POLICIES, FLOAT8_RECIPES
+from parallama.parallel.dims import DP_SIZE, SIZE
+from parallama.parallel.options import AC_MODES, AC_POLICY_RULES, FLOAT8_RECIPES
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
@@ -81,8 +82,8 @@ class Run:
 class ACPolicy:
     conf: ClassVar[str] = "train.yaml:activation_checkpointing_policy"
 
-    mode: str = key("op", Rule(str, choices=AC_POLICIES))
-    every_n: int = key(2, POSITIVE)
+    mode: str = key("op", AC_POLICY_RULES["mode"])
+    every_n: int = key(2, AC_POLICY_RULES["every_n"])
 
 
 @dataclass
@@ -268,19 +269,16 @@ class FSDP:
     save_distributed_checkpoint: bool = key(True, BOOL)
 
 
-DP_SIZE = Rule(int, 1, allow=(-1,))  # -1: the ranks the other dimensions leave
-
-
 @dataclass
 class ModelParallel(FSDP):
     conf: ClassVar[str] = "strategy/model_parallel.yaml"
 
     dp_replicate: int = key(1, DP_SIZE)
     dp_shard: int = key(-1, DP_SIZE)
-    tp: int = key(1, POSITIVE)
-    pp: int = key(1, POSITIVE)
-    cp: int = key(1, POSITIVE)
-    ep: int = key(1, POSITIVE)  # expert parallelism: ranks borrowed from dp_shard (parallel/dims.py)
+    tp: int = key(1, SIZE)
+    pp: int = key(1, SIZE)
+    cp: int = key(1, SIZE)
+    ep: int = key(1, SIZE)  # expert parallelism: ranks borrowed from dp_shard (parallel/dims.py)
     sequence_parallel: bool = key(False, BOOL)
     pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
     pp_microbatches: int | None = key(None, SOME)

@@ -18,7 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from parallama.config.rules import Rule, check_value
 from parallama.errors import ConfigError
+
+# What each size accepts (config/schema.py states the strategy.<dim> keys with these): a dp size may be -1, the
+# ranks the other dimensions leave.
+SIZE, DP_SIZE = Rule(int, 1), Rule(int, 1, allow=(-1,))
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -47,13 +52,8 @@ class ParallelDims:
         """The sizes for `world_size` ranks; one of the dp sizes may be -1, "the rest". Sizes that do not
         multiply out to the world size are one line naming them (`strategy.<dim>`)."""
         sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp}
-        for name, size in sizes.items():
-            if not (isinstance(size, int) and not isinstance(size, bool)) or size < 1 and size != -1:
-                raise ConfigError(
-                    f"strategy.{name}={size!r} is not valid; use an integer >= 1 (or -1 for a dp size)"
-                )
-            if size == -1 and name not in ("dp_replicate", "dp_shard"):
-                raise ConfigError(f"strategy.{name}=-1: only dp_replicate or dp_shard may take the rest")
+        for name, size in {**sizes, "ep": ep}.items():
+            check_value(f"strategy.{name}", size, DP_SIZE if name.startswith("dp_") else SIZE)
         if dp_replicate == -1 and dp_shard == -1:
             raise ConfigError(
                 "strategy.dp_replicate and strategy.dp_shard are both -1; give one of them a size"
@@ -74,8 +74,6 @@ class ParallelDims:
                 f"the layout {shape} is {dims.world_size} ranks, but the world size is {world_size} "
                 "(trainer.devices x trainer.num_nodes); set one dp size to -1 to take the rest"
             )
-        if not (type(ep) is int and ep >= 1):
-            raise ConfigError(f"strategy.ep={ep!r} is not valid; use an integer >= 1")
         if dims.dp_shard % ep:
             raise ConfigError(
                 f"strategy.ep={ep} must divide strategy.dp_shard={dims.dp_shard} (expert parallelism shards the "

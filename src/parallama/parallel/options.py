@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from parallama.config.rules import Rule, check_value
+from parallama.errors import ConfigError
 from parallama.parallel.dims import ParallelDims
 
 
@@ -86,6 +88,8 @@ class PipelineOptions:
 # kept, the cheap ops between them recomputed) or every_n (every n-th block fully checkpointed, the others not).
 AC_MODES = ("none", "full", "selective")
 AC_POLICIES = ("op", "every_n")
+# activation_checkpointing_policy's keys (config/schema.py `ACPolicy` states them with these)
+AC_POLICY_RULES = {"mode": Rule(str, choices=AC_POLICIES), "every_n": Rule(int, 1)}
 
 
 @dataclass(frozen=True)
@@ -98,14 +102,13 @@ class ACOptions:
     every_n: int = 2
 
     def __post_init__(self):
-        if self.mode not in AC_MODES:
-            raise ValueError(f"activation_checkpointing={self.mode!r}: use one of {', '.join(AC_MODES)}")
-        if self.policy not in AC_POLICIES:
-            raise ValueError(
-                f"activation_checkpointing_policy.mode={self.policy!r}: use one of {', '.join(AC_POLICIES)}"
+        """Checked by the keys' rules also when built from Python, not from a config."""
+        if self.mode not in AC_MODES:  # the config key also takes true/false, which `of` turns into a mode
+            raise ConfigError(
+                f"activation_checkpointing={self.mode!r} is not valid; use one of {', '.join(AC_MODES)}"
             )
-        if not isinstance(self.every_n, int) or self.every_n < 1:
-            raise ValueError(f"activation_checkpointing_policy.every_n={self.every_n!r}: use an integer >= 1")
+        check_value("activation_checkpointing_policy.mode", self.policy, AC_POLICY_RULES["mode"])
+        check_value("activation_checkpointing_policy.every_n", self.every_n, AC_POLICY_RULES["every_n"])
 
     @classmethod
     def of(cls, value) -> ACOptions:

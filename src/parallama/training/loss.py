@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from parallama.data.datasets import IGNORE_INDEX
@@ -99,9 +100,7 @@ class CrossEntropy:
         DeepSpeed's ZeRO-3 the module's hooks gather its weight. `twice`: backward runs through it twice (a
         zero-bubble pipeline schedule's input, then weight gradients), which torch's op allows at the cost of one
         more copy of its gradients."""
-        if hasattr(hidden, "redistribute"):  # sequence parallel: each tp rank's part of the sequence
-            from torch.distributed.tensor import Replicate
-
+        if isinstance(hidden, DTensor):  # sequence parallel: each tp rank's part of the sequence
             hidden = hidden.redistribute(placements=[Replicate()])
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
         if self._torch_fuses(head):

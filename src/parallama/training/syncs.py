@@ -34,5 +34,6 @@ def reads_now(trainer, step: int) -> bool:
 
 def wait_for_device(trainer) -> None:
     """The device's queue is empty when this returns: a clock read after it times the work."""
-    if trainer.strategy.root_device.type == "cuda":
-        torch.cuda.synchronize(trainer.strategy.root_device)
+    device = trainer.strategy.root_device
+    if device.type != "cpu":  # any accelerator (device_waits' rule); a CPU has no queue
+        torch.accelerator.synchronize(device)

@@ -65,47 +65,64 @@ RESUMES = {  # name: (source run, ranks, overrides, how it loads)
 STEPS, TOLERANCE = 3, 1e-5
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache) -> dict:
-    """The reference (6 steps, a checkpoint every 3), the parity runs (3 steps) and the resumes (to step 6)."""
-    tmp = tmp_path_factory.mktemp("model_parallel")
+def train_matrix(tmp, cache, common: list[str], layouts: dict, resumes: dict) -> dict[str, str]:
+    """{run: its output}: the reference (one process at batch 8, 2 x STEPS steps, a checkpoint every STEPS), each
+    layout (`{name: (mesh sizes, per-rank batch, overrides)}`, STEPS steps) and each resume (`{name: (source run,
+    ranks, overrides, how it loads)}`: from the source's step STEPS to 2 x STEPS)."""
     logs = {}
 
     def run(name, ranks, steps, *args):
         proc = train(
-            *COMMON,
+            *common,
             f"trainer.devices={ranks}",
             f"trainer.max_steps={steps}",
             *args,
             cwd=tmp,
-            cache=data_cache,
+            cache=cache,
             run_dir=tmp / name,
             timeout=600,
         )
         logs[name] = proc.stdout + proc.stderr
 
-    every_3_steps = [
+    every_n_steps = [
         "callbacks.model_checkpoint.monitor=null",
         "callbacks.model_checkpoint.save_top_k=-1",
         f"+callbacks.model_checkpoint.every_n_train_steps={STEPS}",
     ]
-    run("ref", 1, 2 * STEPS, "data.batch_size=8", *every_3_steps)
-    for name, (sizes, batch, args) in PARITY.items():
-        ranks = math.prod(sizes.values())
-        run(
-            name,
-            ranks,
-            STEPS,
-            MP,
-            *(f"strategy.{k}={v}" for k, v in sizes.items()),
-            f"data.batch_size={batch}",
-            *args,
-        )
-    for name, (source, ranks, args, _) in RESUMES.items():
+    run("ref", 1, 2 * STEPS, "data.batch_size=8", *every_n_steps)
+    for name, (sizes, batch, args) in layouts.items():
+        sizes_args = (f"strategy.{k}={v}" for k, v in sizes.items())
+        run(name, math.prod(sizes.values()), STEPS, MP, *sizes_args, f"data.batch_size={batch}", *args)
+    for name, (source, ranks, args, _) in resumes.items():
         ckpt = tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt" if source == "ref" else None
         ckpt = ckpt or tmp / source / "checkpoints" / "last.ckpt"
         run(name, ranks, 2 * STEPS, *args, *QUIET, f"ckpt_path={ckpt}")
-    return {"dir": tmp, "log": logs}
+    return logs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache) -> dict:
+    """The reference (6 steps, a checkpoint every 3), the parity runs (3 steps) and the resumes (to step 6)."""
+    tmp = tmp_path_factory.mktemp("model_parallel")
+    return {"dir": tmp, "log": train_matrix(tmp, data_cache, COMMON, PARITY, RESUMES)}
+
+
+def assert_same_state(got, want, step: int, atol: float = TOLERANCE, batch: int = 8) -> None:
+    """Two checkpoints (universal.read) at `step` hold the same training: counters, weights and AdamW moments (to
+    `atol`) and the data position's running hash over step x `batch` (the global batch) samples."""
+    assert got.client["global_step"] == want.client["global_step"] == step
+    assert got.client["tokens_seen"] == want.client["tokens_seen"]
+    assert got.model.keys() == want.model.keys()
+    for key, tensor in want.model.items():
+        torch.testing.assert_close(got.model[key], tensor, atol=atol, rtol=0, msg=key)
+    assert got.optimizer["state"].keys() == want.optimizer["state"].keys()
+    for key, moments in want.optimizer["state"].items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                got.optimizer["state"][key][moment], moments[moment], atol=atol, rtol=0, msg=key
+            )
+    data, ref_data = got.client["TextDataModule"], want.client["TextDataModule"]
+    assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * batch)
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -165,14 +182,4 @@ def test_a_run_resumes_into_another_layout_exactly(runs, name):
     assert ("resuming a " in log) == (path == "universal"), log[-3000:]
     got = universal.read(tmp / name / "checkpoints" / "last.ckpt")
     want = universal.read(tmp / "ref" / "checkpoints" / f"step{step:07d}.ckpt")
-    assert got.client["global_step"] == want.client["global_step"] == step
-    assert got.client["tokens_seen"] == want.client["tokens_seen"]
-    for key, tensor in want.model.items():
-        torch.testing.assert_close(got.model[key], tensor, atol=TOLERANCE, rtol=0, msg=key)
-    for key, moments in want.optimizer["state"].items():
-        for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(
-                got.optimizer["state"][key][moment], moments[moment], atol=TOLERANCE, rtol=0
-            )
-    data, ref_data = got.client["TextDataModule"], want.client["TextDataModule"]
-    assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * 8)
+    assert_same_state(got, want, step)

@@ -17,8 +17,7 @@ import csv
 import pytest
 import torch
 from conftest import train
-from test_model_parallel import COMMON, QUIET, exported
-from test_pipeline import assert_same_state
+from test_model_parallel import COMMON, QUIET, assert_same_state, exported
 
 from parallama.checkpoint import universal
 

@@ -32,12 +32,11 @@ noise stays far below 1e-5 after Adam.
 from __future__ import annotations
 
 import csv
-import math
 
 import pytest
-import torch
-from conftest import train
 from safetensors.torch import load_file
+from test_model_parallel import COMMON as PARITY_COMMON
+from test_model_parallel import MP, STEPS, TOLERANCE, assert_same_state, sample, train_matrix
 
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
@@ -47,17 +46,10 @@ from parallama.parallel.options import ZERO_BUBBLE
 pytestmark = pytest.mark.multiprocess
 
 COMMON = [
-    "scheduler.warmup_steps=0",
-    "scheduler.min_lr_ratio=1",
-    "optimizer.lr=3e-4",
-    "trainer.precision=32-true",
-    "trainer.gradient_clip_val=0.5",  # the tiny model's gradient norm is ~1.5: every step clips
-    "model.num_hidden_layers=4",
+    *PARITY_COMMON,
+    "model.num_hidden_layers=4",  # 2 stages per rank on 2 ranks
     "trainer.val_check_interval=3",  # the reference and the 3-step runs validate after step 3 alike
-    "seed=7",
 ]
-QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
-MP = "strategy=model_parallel"
 SCHEDULES = {  # name: (mesh sizes, per-rank batch, more overrides); each trains on global batch 8
     "gpipe": ({"pp": 2}, 8, ["strategy.pp_schedule=gpipe"]),
     "interleaved_1f1b": (
@@ -102,67 +94,18 @@ RESUMES = {  # name: (source run, ranks, overrides, how it loads)
         "universal",
     ),
 }
-STEPS, TOLERANCE = 3, 1e-5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache) -> dict:
     """The reference (6 steps, a checkpoint every 3), a run per schedule (3 steps) and the resumes (to step 6)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    logs = {}
-
-    def run(name, ranks, steps, *args):
-        proc = train(
-            *COMMON,
-            f"trainer.devices={ranks}",
-            f"trainer.max_steps={steps}",
-            *args,
-            cwd=tmp,
-            cache=data_cache,
-            run_dir=tmp / name,
-            timeout=600,
-        )
-        logs[name] = proc.stdout + proc.stderr
-
-    every_3_steps = [
-        "callbacks.model_checkpoint.monitor=null",
-        "callbacks.model_checkpoint.save_top_k=-1",
-        f"+callbacks.model_checkpoint.every_n_train_steps={STEPS}",
-    ]
-    run("ref", 1, 2 * STEPS, "data.batch_size=8", *every_3_steps)
-    for name, (sizes, batch, args) in SCHEDULES.items():
-        sizes_args = (f"strategy.{k}={v}" for k, v in sizes.items())
-        run(name, math.prod(sizes.values()), STEPS, MP, *sizes_args, f"data.batch_size={batch}", *args)
-    for name, (source, ranks, args, _) in RESUMES.items():
-        ckpt = tmp / "ref" / "checkpoints" / f"step{STEPS:07d}.ckpt" if source == "ref" else None
-        ckpt = ckpt or tmp / source / "checkpoints" / "last.ckpt"
-        run(name, ranks, 2 * STEPS, *args, *QUIET, f"ckpt_path={ckpt}")
-    return {"dir": tmp, "log": logs}
+    return {"dir": tmp, "log": train_matrix(tmp, data_cache, COMMON, SCHEDULES, RESUMES)}
 
 
 def metric(run_dir, key: str) -> dict[int, float]:
     with open(run_dir / "csv" / "metrics.csv") as f:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row[key]}
-
-
-def sample(log: str) -> str:
-    return log.split("sample:\n", 1)[1].split("\n[", 1)[0]
-
-
-def assert_same_state(got, want, step: int) -> None:
-    assert got.client["global_step"] == want.client["global_step"] == step
-    assert got.client["tokens_seen"] == want.client["tokens_seen"]
-    assert got.model.keys() == want.model.keys()
-    for key, tensor in want.model.items():
-        torch.testing.assert_close(got.model[key], tensor, atol=TOLERANCE, rtol=0, msg=key)
-    assert got.optimizer["state"].keys() == want.optimizer["state"].keys()
-    for key, moments in want.optimizer["state"].items():
-        for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(
-                got.optimizer["state"][key][moment], moments[moment], atol=TOLERANCE, rtol=0, msg=key
-            )
-    data, ref_data = got.client["TextDataModule"], want.client["TextDataModule"]
-    assert (data["trained_hash"], data["trained_samples"]) == (ref_data["trained_hash"], step * 8)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

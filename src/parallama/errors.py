@@ -1,4 +1,11 @@
-"""One exception type for bad input, so the CLIs can print it as one line instead of a traceback."""
+"""The errors a user can act on, and how each is told: one line and an exit status (`exit_status`), the same in
+every tool (cli/app.py) and in a sweep's jobs; anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # and runtime/faults.py's EXIT_RANK_DIED; 0 for a preempted job
 
 
 class ConfigError(ValueError):
@@ -7,3 +14,48 @@ class ConfigError(ValueError):
 
 class TrainingDiverged(FloatingPointError):
     """The loss became NaN/inf; raised before the optimizer step so the last checkpoint stays good."""
+
+
+def exit_status(err: BaseException) -> tuple[int | None, str]:
+    """(status, line) for an error the user can act on; (None, "") for anything else."""
+    import hydra
+
+    from parallama.runtime import faults
+
+    if isinstance(err, (ConfigError, FileNotFoundError)):
+        return EXIT_BAD_INPUT, f"error: {err}"
+    if _is_lightning_misconfiguration(err):  # Lightning's own one-line complaints about Trainer settings
+        return EXIT_BAD_INPUT, f"error: {' '.join(str(err).split())}"
+    if isinstance(err, hydra.errors.InstantiationException):
+        return EXIT_BAD_INPUT, f"error: {instantiation_error(err)}"
+    if isinstance(err, TrainingDiverged):
+        return EXIT_DIVERGED, f"error: {err}"
+    if isinstance(err, faults.Preempted):
+        return 0, err.line
+    if isinstance(err, faults.RankDied):
+        return faults.EXIT_RANK_DIED, str(err)
+    return None, ""
+
+
+def _is_lightning_misconfiguration(err: BaseException) -> bool:
+    if "lightning" not in sys.modules:  # not loaded: the error cannot be Lightning's
+        return False
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    return isinstance(err, MisconfigurationException)
+
+
+def instantiation_error(err: Exception) -> str:
+    """A constructor's complaint in one line: the project's own ConfigError as it is, anything else with the
+    config key whose `_target_` raised it."""
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+        if isinstance(cause, (ConfigError, FileNotFoundError)):
+            return str(cause)
+    lines = str(err).splitlines()
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    reason = (
+        str(cause).strip().splitlines()[0] if cause is not err else (lines[1] if len(lines) > 1 else lines[0])
+    )
+    return f"{key or lines[0]}: {reason}"

@@ -122,13 +122,20 @@ def test_nd_moe(capsys, tmp_path, cache):
 
 
 def test_step_path(capsys, tmp_path, cache):
-    """The trace of what runs from the command line to the optimizer's update, and from training_step on (the
-    figures docs/architecture.md quotes): the step itself is the module, the loss and the model."""
+    """The trace of what runs from the command line to the optimizer's update (the figures docs/architecture.md
+    quotes): the step is the module, the loss and the model; the path adds the call stack from the command line,
+    and stays within issue #27's aim; each set holds the one before it."""
     text, result = run(capsys, tmp_path, cache, "step-path", process=True)
-    step, whole = result["training_step"]["by_file"], result["command line"]["by_file"]
-    assert {"training/module.py", "training/loss.py", "models/llama/model.py"} <= set(step) <= set(whole)
-    assert 0 < result["training_step"]["lines"] < result["command line"]["lines"]
-    assert "from the training_step to optimizer.step()" in text
+    sets = [result[name] for name in ("training_step", "path", "first batch", "command line")]
+    step, path = set(sets[0]["by_file"]), set(sets[1]["by_file"])
+    assert {"training/module.py", "training/loss.py", "models/llama/model.py"} <= step
+    assert {"cli/train.py", "cli/app.py", "training/run.py"} <= path - step
+    for smaller, larger in zip(sets, sets[1:]):
+        assert set(smaller["by_file"]) <= set(larger["by_file"]) and smaller["lines"] <= larger["lines"]
+    assert "config/checks.py" in sets[3]["by_file"] and "config/checks.py" not in sets[2]["by_file"]
+    path, aim = result["path"], result["aim"]
+    assert path["files"] <= aim["files"] and path["lines"] <= aim["lines"], path
+    assert "the path, against issue #27's aim" in text and ": within" in text
 
 
 def test_loss(capsys, tmp_path, cache):

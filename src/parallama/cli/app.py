@@ -5,8 +5,8 @@
 - before any work, the config is composed as Hydra will compose it and checked (`check`), a sweep job by job:
   a typo or a bad value is one `error:` line and exit status 2, before any job starts;
 - the tool then runs as a Hydra app (its run directory, logging and sweeps as its config says);
-- anything that goes wrong that the user can act on is one line and an exit status (`exit_status`), here
-  and nowhere else.
+- anything that goes wrong that the user can act on is one line and an exit status (errors.py `exit_status`),
+  said here and nowhere else.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from omegaconf import DictConfig
 
 from parallama import CONF_DIR
 from parallama.config.compose import compose_tool, preflight
-from parallama.errors import ConfigError, TrainingDiverged
+from parallama.errors import EXIT_BAD_INPUT, ConfigError, exit_status
 
 log = logging.getLogger("parallama")
-
-EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # and faults.EXIT_RANK_DIED
 
 
 def run(
@@ -134,48 +132,3 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             sys.exit(status)
 
     return wrapper
-
-
-def exit_status(err: BaseException) -> tuple[int | None, str]:
-    """(status, line) for an error the user can act on; (None, "") for anything else."""
-    import hydra
-
-    from parallama.runtime import faults
-
-    if isinstance(err, (ConfigError, FileNotFoundError)):
-        return EXIT_BAD_INPUT, f"error: {err}"
-    if _is_lightning_misconfiguration(err):  # Lightning's own one-line complaints about Trainer settings
-        return EXIT_BAD_INPUT, f"error: {' '.join(str(err).split())}"
-    if isinstance(err, hydra.errors.InstantiationException):
-        return EXIT_BAD_INPUT, f"error: {instantiation_error(err)}"
-    if isinstance(err, TrainingDiverged):
-        return EXIT_DIVERGED, f"error: {err}"
-    if isinstance(err, faults.Preempted):
-        return 0, err.line
-    if isinstance(err, faults.RankDied):
-        return faults.EXIT_RANK_DIED, str(err)
-    return None, ""
-
-
-def _is_lightning_misconfiguration(err: BaseException) -> bool:
-    if "lightning" not in sys.modules:  # not loaded: the error cannot be Lightning's
-        return False
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    return isinstance(err, MisconfigurationException)
-
-
-def instantiation_error(err: Exception) -> str:
-    """A constructor's complaint in one line: the project's own ConfigError as it is, anything else with the
-    config key whose `_target_` raised it."""
-    cause = err
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-        if isinstance(cause, (ConfigError, FileNotFoundError)):
-            return str(cause)
-    lines = str(err).splitlines()
-    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
-    reason = (
-        str(cause).strip().splitlines()[0] if cause is not err else (lines[1] if len(lines) > 1 else lines[0])
-    )
-    return f"{key or lines[0]}: {reason}"

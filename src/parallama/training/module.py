@@ -19,7 +19,6 @@ from parallama.models import model_spec
 from parallama.models.contract import check_model
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
-from parallama.runtime import compat
 from parallama.training import syncs
 from parallama.training.loss import fuses
 from parallama.training.muon import mark_hidden_matrices
@@ -33,7 +32,7 @@ def ends_the_run(trainer) -> bool:
     if 0 < trainer.max_steps <= trainer.global_step:
         return True
     last_epoch = 0 < (trainer.max_epochs or -1) <= trainer.current_epoch + 1
-    return last_epoch and compat.batch_progress(trainer).is_last_batch
+    return last_epoch and trainer.is_last_batch
 
 
 class CausalLM(L.LightningModule):
@@ -182,7 +181,8 @@ class CausalLM(L.LightningModule):
             with layout.loss_context():  # the vocab-parallel loss's backward needs it too
                 loss.backward(*args, **kwargs)
         finally:
-            self.context_parallel.end()  # the ring attention's backward ran inside its context
+            if layout.cp_mesh is not None:
+                self.context_parallel.end()  # the ring attention's backward ran inside its context
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Returns this rank's loss, whose gradient backward takes (strategies average gradients over the

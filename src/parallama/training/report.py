@@ -1,0 +1,121 @@
+"""What a training job tells its user: the config it runs (printed, and kept as resolved_config.yaml), what
+switches validation off, and at the end where its checkpoints and logs are, its final metrics and a sample;
+Lightning's console lines once. The job itself is training/run.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("parallama")
+
+
+def one_console_for_lightning() -> None:
+    """Lightning's INFO lines once: importing `lightning` gives its logger a console handler of its own ("INFO:
+    ..."), and its records also reach the root logger, which Hydra's job logging (console and the run's log
+    file) configured; so each line was printed twice. Where the root logger has handlers, Lightning's go."""
+    root = logging.getLogger()
+    if (
+        not root.handlers
+    ):  # Python without Hydra's logging (a notebook): Lightning's own handler is the console
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # its console handler, not a file a user added
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
+    """Every rank generates (sharded models need all ranks in each forward); the same seed gives the same text."""
+    import torch
+
+    from parallama.models.generation import generate
+
+    if module.model is None:
+        return None
+    model = module.parallelism.inference_model(module.model)
+    if next(model.parameters()).device.type == "meta":
+        return None
+    device = module.parallelism.root_device  # not the parameters': FSDP2's cpu_offload keeps them on the CPU
+    tokenizer, ids = datamodule.tokenizer, datamodule.special_ids
+    prompt = [ids.bot, *tokenizer.encode(cfg.sample.prompt, add_special_tokens=False).ids]
+    model.eval()
+    out = generate(
+        model,
+        torch.tensor([prompt], device=device),
+        max_new_tokens=cfg.sample.max_new_tokens,
+        temperature=cfg.sample.temperature,
+        top_k=cfg.sample.top_k,
+        eos_id=ids.eot,
+        generator=torch.Generator(device=device).manual_seed(cfg.seed),
+    )
+    return tokenizer.decode(out[0, 1:].tolist(), skip_special_tokens=True)
+
+
+def job_config(cfg: DictConfig) -> dict:
+    """The resolved config without Hydra's own node (present when composed with return_hydra_config)."""
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+
+
+def print_config(cfg: DictConfig) -> None:
+    """Shown highlighted on a terminal, and in full (not cut at 80 columns) in a log file."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    text = OmegaConf.to_yaml(job_config(cfg))
+    console = Console()
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", theme="ansi_dark"))
+    else:
+        print(text, flush=True)
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.yaml").write_text(text)
+
+
+def validation_off(cfg: DictConfig) -> str | None:
+    """What switches validation off in this config (the setting, for the user to change), or None."""
+    if cfg.data.get("val_fraction", None) == 0:
+        return "data.val_fraction=0: no validation split"
+    if cfg.trainer.get("limit_val_batches", None) == 0:
+        return "trainer.limit_val_batches=0"
+    return None
+
+
+def report(trainer, output_dir: str, sample: str | None, off: str | None = None) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from parallama.training.callbacks import LastCheckpoint
+
+    if trainer.global_rank != 0:
+        return
+    lines = [f"output dir:      {output_dir}"]
+    for ckpt in trainer.checkpoint_callbacks:
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.monitor and ckpt.best_model_path:  # none: no line
+            lines.append(
+                f"best checkpoint: {ckpt.best_model_path or '-'} ({ckpt.monitor} {ckpt.best_model_score})"
+            )
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.last_model_path:
+            lines.append(f"last checkpoint: {ckpt.last_model_path}")
+        if isinstance(ckpt, LastCheckpoint) and ckpt.saved_step is not None:
+            lines.append(f"last checkpoint: {ckpt.path}")
+    for logger in trainer.loggers:
+        if where := logger.log_dir or logger.save_dir:  # none: fast_dev_run's DummyLogger
+            lines.append(f"{type(logger).__name__ + ':':<16} {where}")
+    if trainer.fast_dev_run:
+        lines.append(
+            "fast_dev_run:    no checkpoints or metrics logged; the output dir holds its config and log"
+        )
+    metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
+    if sample is not None:
+        lines.append(f"sample:\n{sample}")
+    log.info("\n".join(lines))

@@ -44,8 +44,9 @@ PATHS = ("training_step", "path", "first batch", "command line")
 AIM = {"files": 12, "lines": 1500}  # issue #27, on the path
 
 
-class StopAtTheStep(Exception):
-    """Raised by the profiler when torch's optimizer begins its update: the path is complete."""
+class StopAtTheStep(BaseException):
+    """Raised by the profiler when torch's optimizer begins its update: the path is complete. Not an Exception,
+    as SystemExit is not: Hydra and the CLI's error report let it through to `trace` without a traceback."""
 
 
 def _lines(code) -> range:

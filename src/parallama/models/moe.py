@@ -210,6 +210,20 @@ class MoE(nn.Module):
             out = _AddRouterLossGradient.apply(out, routing.mean_probs, routing.z, self)
         return out.reshape(shape)
 
+    def balance_loss(self, counts: Tensor, mean_probs: Tensor) -> Tensor:
+        """The load-balancing loss E x sum_e f_e P_e of tokens routed `mean_probs` (P_e), whose global counts per
+        expert give the shares f_e (`shares`); its gradient in P is E x f (`_AddRouterLossGradient`)."""
+        return self.num_experts * (self.shares(counts) * mean_probs).sum()
+
+    def shares(self, counts: Tensor) -> Tensor:
+        """f_e: each expert's share of the tokens routed, summing to top_k."""
+        return counts * self.top_k / counts.sum()
+
+    def add_step_tokens(self, counts: Tensor) -> None:
+        """Under loss-free balancing: count a forward's global tokens per expert towards the step's bias update."""
+        if self.gate.bias_update_rate:
+            self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
+
     def step_counts(self) -> Tensor:
         """In a pipeline stage: the step's tokens per expert, its last `microbatches` forwards' (torch's shape
         inference runs one before them on its first step) summed over `count_group`; one all-reduce, again only
@@ -245,8 +259,7 @@ class _AddRouterLossGradient(torch.autograd.Function):
                 # torch's shape inference, before the step's forwards: its gradients are not kept
                 shares = grad.new_zeros(block.num_experts, dtype=torch.float32)
             else:
-                counts = block.step_counts()
-                shares = counts * block.top_k / counts.sum()
+                shares = block.shares(block.step_counts())
             d_probs = stage.weight * block.aux_loss_coef * block.num_experts * shares
         if block.z_loss_coef:
             d_z = torch.tensor(stage.weight * block.z_loss_coef, device=grad.device)
@@ -272,12 +285,10 @@ def auxiliary_loss(blocks: list[MoE]) -> tuple[Tensor | float, dict[str, Tensor]
         dist.all_reduce(counts, group=recorded[0].count_group)
     aux, z, loss = [], [], 0.0
     for block, count in zip(recorded, counts):
-        share = count * block.top_k / count.sum()  # f_e: sums to top_k
-        aux.append(block.num_experts * (share * block.routing.mean_probs).sum())
+        aux.append(block.balance_loss(count, block.routing.mean_probs))
         z.append(block.routing.z)
         loss = loss + block.aux_loss_coef * aux[-1] + block.z_loss_coef * z[-1]
-        if block.gate.bias_update_rate:
-            block.step_tokens = count if block.step_tokens is None else block.step_tokens + count
+        block.add_step_tokens(count)
         block.routing = None
     metrics = {
         "aux_loss": torch.stack(aux).mean().detach(),
@@ -320,13 +331,11 @@ def pipeline_losses(blocks: list[MoE], num_blocks: int, group, device) -> tuple[
                 "shares were not the step's (use strategy.pp_schedule=gpipe)"
             )
         counts = block.step_counts()
-        share = counts * block.top_k / counts.sum()
-        aux = torch.stack([block.num_experts * (share * r.mean_probs).sum() for r in forwards]).mean()
+        aux = torch.stack([block.balance_loss(counts, r.mean_probs) for r in forwards]).mean()
         z = torch.stack([r.z for r in forwards]).mean()
         sums += torch.stack([block.aux_loss_coef * aux + block.z_loss_coef * z, aux, z])
         worst = torch.maximum(worst, counts.amax() / counts.mean())
-        if block.gate.bias_update_rate:
-            block.step_tokens = counts if block.step_tokens is None else block.step_tokens + counts
+        block.add_step_tokens(counts)
         block.stage = None
     sums /= num_blocks
     if group is not None:

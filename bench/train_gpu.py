@@ -4,8 +4,8 @@ beside the bare loop and torchtitan 0.3 on the same GPU in the same call; result
 Arms, in the order they run (the most telling first; a time budget, `--budget-s`, skips the rest and says so):
 - `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`), then one lever at a
   time on top of `compile=true`: `float8=tensorwise|rowwise`, `activation_checkpointing=selective|full`,
-  `optimizer=muon`, `loss.impl=fused` (skipped where conf/loss has no `impl`), `callbacks=none` (what the default
-  callbacks cost), and the levers together (`best`: without the fused loss where conf/loss lacks it).
+  `optimizer=muon`, `loss.impl=fused`, `callbacks=none` (what the default callbacks cost), and the levers together
+  (`best`).
   Validation, the sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded
   corpus, byte tokenizer, the preset's vocabulary.
   Timed by `Clock` (added as a callback): tokens/s from step `--warmup` to the last (`--steps` later), with one
@@ -45,12 +45,12 @@ LEVERS = {  # name -> overrides; each lever on top of BASE, but `default` (the u
     "compile": BASE,
     "callbacks=none": [*BASE, "callbacks=none"],
     "float8=tensorwise": [*BASE, "float8=tensorwise"],
-    "loss.impl=fused": [*BASE, "++loss.impl=fused"],
+    "loss.impl=fused": [*BASE, "loss.impl=fused"],
     "ac=selective": [*BASE, "activation_checkpointing=selective"],
     "optimizer=muon": [*BASE, "optimizer=muon"],
     "float8=rowwise": [*BASE, "float8=rowwise"],
     "ac=full": [*BASE, "activation_checkpointing=full"],
-    "best": [*BASE, "float8=tensorwise", "++loss.impl=fused"],
+    "best": [*BASE, "float8=tensorwise", "loss.impl=fused"],
 }
 TITAN = {  # torchtitan arms (bench/titan.py): compile, activation checkpointing, float8
     "titan compile": {"compile": True, "ac": "none", "float8": None},
@@ -91,11 +91,6 @@ class Clock(L.Callback):
             peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
             rate = self.tokens / (time.perf_counter() - self.t0)
             Path(self.path).write_text(json.dumps({"tokens_per_s": rate, "peak_bytes": peak}))
-
-
-def has_loss_impl() -> bool:
-    """Whether conf/loss knows `impl` (plain | fused): another change adds it."""
-    return "impl" in OmegaConf.load(ROOT / "conf" / "loss" / "cross_entropy.yaml")
 
 
 def command(model: str, lever: list[str], args, run_dir: Path, out: Path) -> list[str]:
@@ -206,15 +201,7 @@ def run_arm(model: str, name: str, what, args, tmp: Path, timeout: float) -> dic
         arm = {"flavor": "1B", "seq_len": seq_len, "batch": batch, **what}
         arm.update(warmup=args.warmup, steps=args.steps, repeats=1, port=free_port())
         return child(["bench.titan", json.dumps(arm)], timeout)
-    note = {}
-    if any("loss.impl" in o for o in what) and not has_loss_impl():
-        if name != "best":
-            return {"skipped": "conf/loss/cross_entropy.yaml has no `impl` key on this branch"}
-        what, note = (
-            [o for o in what if "loss.impl" not in o],
-            {"note": "without loss.impl (not on this branch)"},
-        )
-    return {**train_arm(model, what, args, tmp, name.replace("=", "-").replace(" ", "_"), timeout), **note}
+    return train_arm(model, what, args, tmp, name.replace("=", "-").replace(" ", "_"), timeout)
 
 
 def summarize(results: dict, peak_flops: float | None) -> dict:

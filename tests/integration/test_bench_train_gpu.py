@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main
-from bench.train_gpu import LEVERS, command, has_loss_impl
+from bench.train_gpu import LEVERS, command
 from parallama.config.compose import compose_tool
 
 ARMS = ["default", "callbacks=none", "bare eager", "titan compile", "loss.impl=fused"]
@@ -35,10 +35,7 @@ def test_a_dry_run_times_parallama_train_the_bare_loop_and_skips_torchtitan_with
         "parallama-train model=tiny data.seq_len=64 data.batch_size=2"
     )
     assert "CUDA" in rows["titan compile"]["skipped"]
-    if not has_loss_impl():
-        assert "impl" in rows["loss.impl=fused"]["skipped"]
-    else:
-        assert rows["loss.impl=fused"]["tokens_per_s"] > 0
+    assert rows["loss.impl=fused"]["tokens_per_s"] > 0
     assert result["ratios"]["tiny"]["default / bare eager"] > 0
 
 
@@ -46,8 +43,6 @@ def test_a_dry_run_times_parallama_train_the_bare_loop_and_skips_torchtitan_with
 def test_every_lever_composes_as_parallama_train_checks_it(tmp_path, model):
     args = Namespace(dry_run=False, warmup=10, steps=20, cache_dir=str(tmp_path))
     for name, lever in LEVERS.items():
-        if not has_loss_impl() and any("loss.impl" in o for o in lever):
-            continue  # the script skips it too, saying why
         line = command(model, lever, args, tmp_path / "run", tmp_path / "clock.json")
         overrides = [o for o in line[3:] if not o.startswith("hydra.")]
         cfg = compose_tool("train", overrides)

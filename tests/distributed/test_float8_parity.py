@@ -10,6 +10,8 @@ parallama-export (plain weights under the plain names):
   activations and gradients (half the batch), so the roundings differ (seen: mean 1.6e-5 from one process,
   where float8 vs fp32 is 2.4e-5) as they do under torchtitan's data parallelism.
 - the fsdp float8 checkpoint (plain tensors, parallel/float8.py `plain_tensors`) resumes for one more step.
+- the tp run and the fsdp resume sample text at the end (generation runs under no_grad: torchao's float8
+  tensor-parallel inputs and FSDP2's float8 all-gather weights fail under inference mode).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ COMMON = [
     "validate_before_training=false",
     "sample.max_new_tokens=0",
 ]
+SAMPLE = "sample.max_new_tokens=4"  # the end-of-run sample, over float8 linears
 LAYOUTS = {  # name: (ranks, per-rank batch, overrides)
     "auto": (1, 8, ["float8=tensorwise"]),
     "ddp": (2, 4, ["float8=tensorwise", "strategy=ddp"]),
     "fsdp": (2, 4, ["float8=tensorwise", "strategy=fsdp"]),
-    "tp": (2, 8, ["float8=tensorwise", "strategy=model_parallel", "strategy.tp=2"]),
+    "tp": (2, 8, ["float8=tensorwise", "strategy=model_parallel", "strategy.tp=2", SAMPLE]),  # FullLogits
 }
 
 
@@ -55,7 +58,15 @@ def weights(tmp_path_factory, data_cache) -> dict:
         train(*common, "trainer.max_steps=3", cwd=tmp, cache=data_cache, run_dir=run, timeout=600)
         out[layout] = export(run)
         if layout == "fsdp":  # resume the float8 checkpoint for 1 more step (the same run directory)
-            train(*common, "trainer.max_steps=4", "ckpt_path=last", cwd=tmp, cache=data_cache, run_dir=run)
+            train(
+                *common,
+                "trainer.max_steps=4",
+                "ckpt_path=last",
+                SAMPLE,
+                cwd=tmp,
+                cache=data_cache,
+                run_dir=run,
+            )
             out["fsdp_resumed"] = export(run, "hf_resumed")
     return out
 

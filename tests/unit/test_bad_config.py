@@ -1,6 +1,6 @@
 """Bad config input: each case is refused before any work, in one line naming the key and what is valid.
 
-98 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
+99 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
 Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
 tests/integration/test_bad_config_cli.py checks on the real command line that the line is all the user sees.
 """
@@ -128,6 +128,10 @@ CASES = [  # (overrides, what the one line must say)
         "float8=tensorwise: layers.0.mlp.gate_proj is 128 -> 200, float8 matmuls need both multiples of 16",
     ),
     (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),
+    (
+        ["float8=rowwise", "+trainer.inference_mode=true"],
+        "trainer.inference_mode=true cannot run float8=rowwise",
+    ),
     (["validate_before_training=maybe"], "validate_before_training='maybe' is not valid"),
     (["callbacks.last_checkpoint.every_n_train_steps=0"], "callbacks.last_checkpoint.every_n_train_steps=0"),
     (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode='sometimes' is not valid"),

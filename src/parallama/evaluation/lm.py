@@ -190,10 +190,8 @@ class ParallamaLM(TemplateLM):
                         generator=torch.Generator(device=self.device).manual_seed(1234),
                     )
                 self._decode(items, tokens[:, length:].tolist(), out)
-            for _ in range(
-                missing
-            ):  # the passes of ranks that generate longer; inference mode, as `generate`'s
-                with torch.inference_mode():
+            for _ in range(missing):  # the passes of ranks that generate longer; no grad, as `generate`'s
+                with torch.no_grad():
                     self._forward(torch.tensor([[self.ids.bot]], device=self.device))
         return out
 

@@ -25,7 +25,7 @@ def sample(logits: Tensor, temperature=1.0, top_k=None, top_p=None, generator=No
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: torchao's float8 linears (and torch 2.11's FSDP2) fail under it
 def generate(
     model, input_ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_id=None, generator=None
 ) -> Tensor:

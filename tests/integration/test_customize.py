@@ -18,8 +18,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "customize.md"
 FILE = re.compile(r"<!-- file: (\S+) -->\n```\w+\n(.*?)```", re.S)
 # a command, and the line the page says it is refused with (none: it trains)
 COMMAND = re.compile(r"^(?:PYTHONPATH=\. )?parallama-(train|export) (.*)\n(?:# (error: .*)\n)?", re.M)
-QUICK = ["trainer.max_steps=3", "trainer.val_check_interval=3", "validate_before_training=false"]
-QUICK += ["sample.max_new_tokens=0"]
+QUICK = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+]  # validation before training and the sample stay
 TOOLS = {"train": "parallama.cli.train", "export": "parallama.cli.export"}
 TRAINS = [args for tool, args, error in COMMAND.findall(DOC.read_text()) if tool == "train" and not error]
 REFUSED = [(tool, args, error) for tool, args, error in COMMAND.findall(DOC.read_text()) if error]

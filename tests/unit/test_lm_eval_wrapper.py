@@ -3,6 +3,8 @@ folder), request by request, and the embedded task set. The context is short (12
 are truncated and rolling texts span several windows; batches of 3 mix lengths, so padding is exercised."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -107,6 +109,17 @@ def test_embedded_tasks_are_the_same_bytes_everywhere(tmp_path):
         assert f"{doc['context']} {doc['choices'][doc['label']]}" in paragraphs[choice.index(doc)]
     labels = [doc["label"] for doc in choice]
     assert all(labels.count(k) > 60 for k in range(4))  # no position favoured
+
+
+def test_the_embedded_tasks_folder_follows_the_umask(tmp_path):
+    """It lives in the shared data cache: the umask's modes, not mkdtemp's 0700 (found: drwx------)."""
+    old = os.umask(0o002)
+    try:
+        folder = embedded.build(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o775
+    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {0o664}
 
 
 def test_an_unknown_task_is_one_line(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,7 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
     import torch
 
     from parallama.checkpoint.read import load_checkpoint, load_state_into
+    from parallama.data.shards import tmp_name
     from parallama.training.callbacks import ValidationTokens
     from parallama.training.module import CausalLM
 
@@ -115,7 +117,9 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
         digest = hashlib.sha256(ckpt.tokenizer_json.encode()).hexdigest()[:16]
         tok_file = Path(data.cache_dir, f"tokenizer-ckpt-{digest}.json")
         tok_file.parent.mkdir(parents=True, exist_ok=True)
-        tok_file.write_text(ckpt.tokenizer_json)
+        tmp = tmp_name(str(tok_file.parent), ".tokenizer-")  # whole or not at all: ranks may write it at once
+        Path(tmp).write_text(ckpt.tokenizer_json)
+        os.replace(tmp, tok_file)
         data.tokenizer = {
             "_target_": "parallama.data.tokenizer.from_pretrained",
             "_partial_": True,

@@ -147,14 +147,17 @@ class TextDataModule(LightningDataModule):
         return CacheEntry(self.data_dir).index
 
     def setup(self, stage: str | None = None) -> None:
-        """Open the cached splits; builds the cache when used outside a Trainer. For `fit`, checks that
-        the train split holds one step for every rank (else the run would end having trained nothing)."""
-        if self.datasets:
-            return
-        if self.mixture:
-            return self._setup_mixture(stage)
+        """Open the cached splits (once: a validation before training opens them for the fit after it); builds
+        the cache when used outside a Trainer. For `fit`, checks that the train split holds one step for every
+        rank (else the run would end having trained nothing)."""
+        if not self.datasets and self.mixture:
+            self._setup_mixture()
+        elif not self.datasets:
+            self._open_splits()
+        self._check_train_split(stage)
+
+    def _open_splits(self) -> None:
         entry = self.cache.open() or self._entry()
-        meta = entry.index
         for split in SPLITS:
             tokens = entry.tokens(split)
             if self.packing:
@@ -163,19 +166,26 @@ class TextDataModule(LightningDataModule):
             else:
                 offsets = entry.doc_offsets(split)
                 self.datasets[split] = PaddedDataset(tokens, offsets, self.seq_len, self.special_ids.pad)
-        world = self._world()[0]
-        need = self.batch_size * world if stage == "fit" else 1
-        if (have := len(self.datasets["train"])) < need:
-            step = (
-                f"one step needs data.batch_size * world size = {need}"
-                if stage == "fit"
-                else "at least 1 is needed"
-            )
+
+    def _check_train_split(self, stage: str | None) -> None:
+        need = self.batch_size * self._world()[0] if stage == "fit" else 1
+        if (have := len(self.datasets["train"])) >= need:
+            return
+        step = (
+            f"one step needs data.batch_size * world size = {need}"
+            if stage == "fit"
+            else "at least 1 is needed"
+        )
+        if self.mixture:
             raise ConfigError(
-                f"data: the train split has {have} samples of seq_len {self.seq_len} "
-                f"({meta['n_tokens']['train']} tokens) but {step}; "
-                "use more data or lower data.batch_size/data.seq_len"
+                f"data.sources: the mixture has {have} train samples of seq_len {self.seq_len} but {step}; use more "
+                "data or lower data.batch_size"
             )
+        raise ConfigError(
+            f"data: the train split has {have} samples of seq_len {self.seq_len} "
+            f"({self._meta()['n_tokens']['train']} tokens) but {step}; "
+            "use more data or lower data.batch_size/data.seq_len"
+        )
 
     def _world(self) -> tuple[int, int]:
         """The data-parallel size and this process's rank in it, from the strategy's device mesh (tensor-parallel
@@ -293,7 +303,7 @@ class TextDataModule(LightningDataModule):
             with named(name):
                 part.prepare_data()
 
-    def _setup_mixture(self, stage: str | None) -> None:
+    def _setup_mixture(self) -> None:
         """The train split mixes the sources' train splits (`MixtureDataset`); val concatenates their val splits."""
         for name, part in self.parts.items():
             with named(name):
@@ -305,19 +315,13 @@ class TextDataModule(LightningDataModule):
             "train": train,
             "val": ConcatDataset([p.datasets["val"] for p in self.parts.values()]),
         }
-        world, rank = self._world()
-        if rank == 0:
+        if self._world()[1] == 0:
             log.info(
                 f"data mixture of {len(train):,} samples per epoch: "
                 + ", ".join(
                     f"{name} {weights[name] / total:.3g} = {n:,} of {length:,} ({n / length:.2f} passes)"
                     for name, n, length in zip(train.names, train.counts, train.lengths, strict=True)
                 )
-            )
-        if stage == "fit" and len(train) < (need := self.batch_size * world):
-            raise ConfigError(
-                f"data.sources: the mixture has {len(train)} train samples of seq_len {self.seq_len} but one "
-                f"step needs data.batch_size * world size = {need}; use more data or lower data.batch_size"
             )
 
     def _mixture_order(self) -> dict:

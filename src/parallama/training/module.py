@@ -9,7 +9,7 @@ from functools import partial
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.config.parts import instantiate_part
@@ -247,7 +247,11 @@ class CausalLM(L.LightningModule):
     def on_train_start(self) -> None:
         # the replicas that tokens seen count: read once, not every step
         self.data_parallel_size = data_parallel(self.trainer)[0]
-        self.val_loss.reset()  # a validate() before fit left inference-mode tensors in the metric state
+        # A validate() before fit runs in inference mode (fit's validation does not): a metric reset there (every
+        # metric's, yours too: docs/customize.md) holds inference tensors, which fit's updates could not change.
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
         self._apply_configured_lr()
 
     def _apply_configured_lr(self) -> None:

@@ -20,10 +20,11 @@ import random
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
+
+from parallama.data.shards import tmp_name
 
 HERE = Path(__file__).parent
 EMBEDDED = ("parallama_cloze", "parallama_choice")
@@ -90,7 +91,10 @@ def build(root: str | os.PathLike) -> Path:
     if out.is_dir():
         return out
     Path(root).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".lm_eval_tasks-"))
+    tmp = Path(
+        tmp_name(str(root), ".lm_eval_tasks-")
+    )  # not mkdtemp's 0700: a shared cache keeps the umask's modes
+    tmp.mkdir()
     paras = paragraphs()
     for name, docs in (("parallama_cloze", cloze_docs(paras)), ("parallama_choice", choice_docs(paras))):
         data = tmp / f"{name}.jsonl"

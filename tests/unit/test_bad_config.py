@@ -129,7 +129,7 @@ CASES = [  # (overrides, what the one line must say)
     ),
     (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),
     (
-        ["float8=rowwise", "+trainer.inference_mode=true"],
+        ["float8=rowwise", "trainer.inference_mode=true"],
         "trainer.inference_mode=true cannot run float8=rowwise",
     ),
     (["validate_before_training=maybe"], "validate_before_training='maybe' is not valid"),

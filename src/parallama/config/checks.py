@@ -166,6 +166,11 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
             "styles all-gather gradients in float8, which gloo (CPU) cannot send; use "
             "strategy.sequence_parallel=false on CPU"
         )
+    if cfg.trainer.get("inference_mode"):
+        raise ConfigError(
+            f"trainer.inference_mode=true cannot run float8={recipe} (torchao's float8 linears fail under "
+            "torch.inference_mode); use trainer.inference_mode=false (the default) or float8=null"
+        )
     if "DeepSpeed" in str(cfg.strategy.get("_target_", "")):
         raise ConfigError(
             f"float8={recipe} is not supported under strategy=deepspeed (its partitioning of torchao's Float8Linear "
@@ -275,7 +280,6 @@ def apply_derived(cfg: DictConfig) -> None:
     apply_val_check_epochs(cfg)
     apply_global_batch(cfg)
     apply_cpu_precision(cfg)
-    apply_float8_evaluation(cfg)
 
 
 def apply_cpu_precision(cfg: DictConfig) -> None:
@@ -291,22 +295,6 @@ def apply_cpu_precision(cfg: DictConfig) -> None:
         )
         with open_dict(cfg):
             trainer.precision = "bf16-mixed"
-
-
-def apply_float8_evaluation(cfg: DictConfig) -> None:
-    """With `float8` set, validation runs under `torch.no_grad`: torchao's float8 linears fail under
-    `torch.inference_mode` (rowwise: always; tensorwise: with FSDP2's float8 all-gather or tensor parallel), which
-    is Lightning's validation context on one process and on NCCL (`trainer.inference_mode`, true by default)."""
-    recipe, trainer = cfg.get("float8"), cfg.trainer
-    if recipe is None:
-        return
-    if trainer.get("inference_mode"):
-        raise ConfigError(
-            f"trainer.inference_mode=true cannot run float8={recipe} (torchao's float8 linears fail under "
-            "torch.inference_mode); leave trainer.inference_mode unset (float8 sets it to false) or use float8=null"
-        )
-    with open_dict(cfg):
-        trainer.inference_mode = False
 
 
 def apply_val_check_epochs(cfg: DictConfig) -> None:

@@ -173,6 +173,7 @@ class Trainer:
     fast_dev_run: bool | int = key(False, Rule(int, 0, allow=(True, False)))  # or a number of batches
     overfit_batches: int | float = key(0.0, Rule(float, 0))
     num_sanity_val_steps: int = key(0, Rule(int, -1))
+    inference_mode: bool = key(False, Rule(bool))
     log_every_n_steps: int = key(10, POSITIVE)
     gradient_clip_val: float | None = key(1.0, Rule(float, 0, allow=(None,)))
     accumulate_grad_batches: int = key(1, POSITIVE)

@@ -247,8 +247,8 @@ class CausalLM(L.LightningModule):
     def on_train_start(self) -> None:
         # the replicas that tokens seen count: read once, not every step
         self.data_parallel_size = data_parallel(self.trainer)[0]
-        # A validate() before fit runs in inference mode (fit's validation does not): a metric reset there (every
-        # metric's, yours too: docs/customize.md) holds inference tensors, which fit's updates could not change.
+        # Under trainer.inference_mode=true a validate() before fit runs in inference mode (fit's validation does
+        # not): a metric reset there (every metric's, yours too) holds inference tensors fit's updates cannot change.
         for metric in self.modules():
             if isinstance(metric, Metric):
                 metric.reset()

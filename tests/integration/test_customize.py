@@ -84,3 +84,12 @@ def test_each_refusal_of_the_page_is_its_one_line(tool, command, error, project,
     for line in lines:  # each rank's one line
         assert layers.sub("", line[line.index("error:") :]).startswith(layers.sub("", error)), lines
     assert not (run and (run / "checkpoints").exists()) and not (project / "hf").exists()  # nothing written
+
+
+def test_a_metric_of_yours_survives_a_validation_before_training_in_inference_mode(project, data_cache):
+    """With trainer.inference_mode=true the validation before training runs in inference mode, where the metric's
+    reset leaves inference tensors; CausalLM resets every metric when fit starts, so fit's updates work."""
+    command = next(c for c in TRAINS if "Accuracy" in c) + " trainer.inference_mode=true"
+    _, run = run_page("train", command, project, data_cache)
+    with open(run / "csv" / "metrics.csv") as f:
+        assert [r["val/accuracy"] for r in csv.DictReader(f) if r.get("val/accuracy")]

@@ -40,3 +40,12 @@ def test_a_new_strategy_class_appears_in_the_plan_with_no_other_file_touched(tmp
     assert list(estimates)[:3] == ["ddp", "halved", "ddp_sharded"]  # its guide step, before the built-ins
     assert estimates["halved"]["optim"] == estimates["ddp_sharded"]["optim"]  # sharded like ZeRO-1's
     assert estimates["halved"]["grads"] < estimates["ddp"]["grads"]
+    # a class that does not import is one line naming its file (found: Hydra's own 3-line report came first)
+    (tmp_path / "my_strategies.py").write_text("from parallama.parallel.base import MemoryProfile\n")
+    proc = run_cli("parallama.cli.plan", *args, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(
+        f"error: {tmp_path / 'conf' / 'strategy' / 'halved.yaml'}: _target_=my_strategies"
+    )
+    assert "cannot import name 'MemoryProfile' from 'parallama.parallel.base'" in lines[0]

@@ -1,6 +1,6 @@
 """Bad config input: each case is refused before any work, in one line naming the key and what is valid.
 
-99 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
+102 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
 Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
 tests/integration/test_bad_config_cli.py checks on the real command line that the line is all the user sees.
 """
@@ -128,6 +128,16 @@ CASES = [  # (overrides, what the one line must say)
         "float8=tensorwise: layers.0.mlp.gate_proj is 128 -> 200, float8 matmuls need both multiples of 16",
     ),
     (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),
+    # a part of yours that does not import: its key, before the job prints its config
+    (
+        ["+callbacks.mine._target_=nope.Nope"],
+        "callbacks.mine._target_=nope.Nope cannot be imported (No module named",
+    ),
+    (
+        ["logger.csv._target_=parallama.training.loggers.Nope"],
+        "logger.csv._target_=parallama.training.loggers.Nope",
+    ),
+    (["strategy._target_=mystrategy.Mine"], "strategy._target_=mystrategy.Mine cannot be imported"),
     (
         ["float8=rowwise", "trainer.inference_mode=true"],
         "trainer.inference_mode=true cannot run float8=rowwise",

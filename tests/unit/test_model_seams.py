@@ -4,11 +4,18 @@ tensor-parallel plan (a 1-rank gloo mesh here)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from parallama import CONF_DIR, models
 from parallama.errors import ConfigError
+from parallama.models import model_spec, spec_for_hf_folder
+from parallama.models.contract import parameter_count_note
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.hf import save_hf_folder
 from parallama.models.llama.model import Attention, DecoderLayer, Llama
@@ -116,3 +123,56 @@ def test_the_model_contract_is_checked_with_one_line_naming_what_is_missing():
         "num_params",
         "tied_parameters",
     )
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+def test_each_presets_config_counts_the_parameters_its_model_has(preset):
+    """FLOPs per token, MFU and parallama-plan read the config's count: it must be the built model's."""
+    fields = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml"), resolve=True)
+    fields["vocab_size"] = fields.get("vocab_size") or 320
+    spec = model_spec(fields)
+    with torch.device("meta"):
+        model = spec.model(spec.build_config(fields))
+    assert parameter_count_note(model, spec.family) is None
+
+
+def test_a_block_whose_parameters_change_without_its_config_is_named():
+    """A GELU MLP without the gate (found by a user's walk through docs/architecture.md: 869,504 counted for
+    672,896 built) is one line with both counts, which parallama-train logs."""
+
+    class GeluMLP(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.gelu(self.up_proj(x)))
+
+    class Layer(DecoderLayer):
+        feed_forward = GeluMLP
+
+    class Model(Llama):
+        decoder_layer = Layer
+
+    model = Model(LlamaConfig(**SHAPE))
+    gates = 2 * 64 * 128
+    note = parameter_count_note(model, "gelu")
+    counted = LlamaConfig(**SHAPE).num_params()
+    assert note.startswith(f"model.family=gelu: LlamaConfig.num_params() counts {counted:,} parameters")
+    assert f"Model has {counted - gates:,}" in note and "block_params" in note and "\n" not in note
+
+
+def test_a_folder_no_family_reads_is_one_line_naming_those_that_do(tmp_path, monkeypatch):
+    """Also with a family of the user's that has no Hugging Face conversion (its hf_model_type None)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError) as err:
+        spec_for_hf_folder(tmp_path)
+    one_line(err, "model_type='gpt2', which no family reads; supported: llama, qwen3, qwen3_moe")
+    llama = model_spec({"family": "llama"})
+    mine = dataclasses.replace(llama, family="mine", hf_path=None, hf_model_type=None)
+    monkeypatch.setattr(models, "families", lambda: ["llama", "mine"])
+    monkeypatch.setattr(models, "model_spec", lambda f: mine if f["family"] == "mine" else llama)
+    with pytest.raises(ConfigError) as err:
+        spec_for_hf_folder(tmp_path)
+    one_line(err, "which no family reads; supported: llama")

@@ -24,7 +24,8 @@ from parallama.parallel.layout_checks import check_layout
 
 
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
-    """`hardware=False` leaves out what depends on this machine (GPUs, cores): for `--cfg`, which only prints."""
+    """`hardware=False` leaves out what depends on this machine (GPUs, cores) and importing every `_target_`: for
+    `--cfg`, which only prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
     _check_trainer_keys(cfg.trainer)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
@@ -35,7 +36,8 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
         )
     _check_recipe(cfg)
     _check_float8(cfg, hardware)
-    if hardware:
+    if hardware:  # a run (not --cfg, which imports no more than it prints)
+        _check_targets(cfg)
         _check_devices(trainer)
         _check_strategy(cfg)
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
@@ -220,19 +222,27 @@ def _check_recipe(cfg: DictConfig) -> None:
         _check_module(target)
 
 
+def _check_targets(cfg: DictConfig) -> None:
+    """Every other `_target_` the job builds (a strategy, callback, logger or data source of yours) imports, or
+    one line naming its key, before the job prints its config (the recipe's parts are built in `_check_recipe`)."""
+    from parallama.config.parts import import_error, targets
+
+    for path, target in targets(OmegaConf.to_container(cfg, resolve=False)):
+        if (why := import_error(target)) is not None:
+            raise ConfigError(f"{path}._target_={target} cannot be imported ({why})")
+
+
 DEFAULT_MODULE = "parallama.training.module.CausalLM"
 
 
 def _check_module(target) -> None:
     """`module._target_` names a LightningModule built like CausalLM (a subclass of it)."""
-    from hydra.utils import get_class
-
+    from parallama.config.parts import import_error, locate
     from parallama.training.module import CausalLM
 
-    try:
-        cls = get_class(str(target))
-    except Exception as err:  # Hydra's ImportError says what could not be imported
-        raise ConfigError(f"module._target_={target} cannot be imported ({err})") from None
+    if (why := import_error(target)) is not None:
+        raise ConfigError(f"module._target_={target} cannot be imported ({why})")
+    cls = locate(target)
     if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
         raise ConfigError(f"module._target_={target} is not a subclass of parallama.training.module.CausalLM")
 

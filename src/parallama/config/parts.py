@@ -3,9 +3,40 @@ what goes wrong worded in one line naming the group, as every other bad input is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Iterator, Mapping
 
 from parallama.errors import ConfigError
+
+
+def locate(target: str):
+    """The class or function a `_target_` names ("package.module.Name"), importing its module. Not Hydra's
+    `get_object`/`get_class`, which log their own multi-line report before raising."""
+    module, _, name = str(target).rpartition(".")
+    if not module:
+        raise ImportError(f"{target!r} is not a dotted path (package.module.Name)")
+    return getattr(importlib.import_module(module), name)
+
+
+def import_error(target: str) -> str | None:
+    """Why `target` cannot be imported, in one line; None if it can."""
+    try:
+        locate(target)
+    except Exception as err:  # ImportError, AttributeError, or what the module raised when imported
+        return " ".join(str(err).split())
+    return None
+
+
+def targets(node, path: str = "") -> Iterator[tuple[str, str]]:
+    """(key, `_target_`) of every node of a plain config (nested dicts and lists) that names one."""
+    if isinstance(node, Mapping):
+        if isinstance(node.get("_target_"), str) and not node["_target_"].startswith("${"):
+            yield path, node["_target_"]
+        for key, value in node.items():
+            yield from targets(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from targets(value, f"{path}[{i}]")
 
 
 def instantiate_part(config: Mapping, group: str, **kwargs):

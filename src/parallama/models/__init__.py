@@ -135,5 +135,5 @@ def spec_for_hf_folder(path: str | os.PathLike) -> ModelSpec:
     for spec in specs:
         if model_type in (None, spec.hf_model_type) and (model_type or spec.family == DEFAULT_FAMILY):
             return spec
-    known = ", ".join(spec.hf_model_type for spec in specs)
+    known = ", ".join(spec.hf_model_type for spec in specs if spec.hf_model_type)
     raise ConfigError(f"{path} has model_type={model_type!r}, which no family reads; supported: {known}")

@@ -8,6 +8,7 @@ blocks and an output end.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from parallama.errors import ConfigError
@@ -104,6 +105,19 @@ def check_model(model, family: str) -> None:
             f"model.family={family}: {type(model).__name__} lacks {', '.join(missing)} of the model contract "
             "(parallama.models.contract.DecoderModel)"
         )
+
+
+def parameter_count_note(model, family: str, shape=lambda p: p.shape) -> str | None:
+    """One line when the config's parameter count, which FLOPs per token, MFU and parallama-plan read, is not the
+    built model's (a block changed without its config's `block_params`); `shape`: a parameter's logical shape."""
+    built, counted = sum(math.prod(shape(p)) for p in model.parameters()), model.config.num_params()
+    if built == counted:
+        return None
+    return (
+        f"model.family={family}: {type(model.config).__name__}.num_params() counts {counted:,} parameters but "
+        f"{type(model).__name__} has {built:,}, so FLOPs per token, MFU and parallama-plan are off by that much: "
+        "a block whose parameters change overrides its config's block_params (docs/architecture.md)"
+    )
 
 
 def check_config(config, family: str) -> None:

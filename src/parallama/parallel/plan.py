@@ -50,9 +50,9 @@ def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
 def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
     """conf/strategy/<name>.yaml -> its class, for every config whose `_target_` is a Parallelism class
     (the first directory that has a name wins, as in Hydra's search path)."""
-    import hydra.utils
     from omegaconf import OmegaConf
 
+    from parallama.config.parts import import_error, locate
     from parallama.parallel.base import Parallelism
 
     found: dict[str, type[Parallelism]] = {}
@@ -61,10 +61,9 @@ def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
             target = OmegaConf.load(path).get("_target_")
             if path.stem in found or not target:
                 continue
-            try:
-                obj = hydra.utils.get_object(target)
-            except Exception as err:
-                raise ConfigError(f"{path}: _target_={target} cannot be imported ({err})") from None
+            if (why := import_error(target)) is not None:
+                raise ConfigError(f"{path}: _target_={target} cannot be imported ({why})")
+            obj = locate(target)
             if isinstance(obj, type) and issubclass(obj, Parallelism):
                 found[path.stem] = obj
     return found

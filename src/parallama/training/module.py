@@ -16,7 +16,7 @@ from parallama.config.parts import instantiate_part
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
-from parallama.models.contract import check_model
+from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.training import syncs
@@ -85,6 +85,10 @@ class CausalLM(L.LightningModule):
         with strategy.model_init_context():
             model = self.spec.model(self.config)
         check_model(model, self.spec.family)
+        if (
+            note := parameter_count_note(model, self.spec.family, strategy.param_shape)
+        ) and self.global_rank == 0:
+            log.warning(note)
         strategy.init_weights(model)
         if self.hparams.init_from:
             strategy.load_pretrained(

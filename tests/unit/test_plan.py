@@ -110,6 +110,17 @@ def test_8b_on_8_gpus_is_sharded_and_tiny_on_one_is_ddp():
     assert "320" in tiny["notes"][0]  # byte tokenizer's 260 tokens, rounded up
 
 
+def test_sharding_is_tried_before_checkpointing_and_the_reason_says_so():
+    """8B at seq 8192 on 8 x 80 GB: ZeRO-2 fits with selective checkpointing, FSDP without; FSDP is recommended,
+    and its reason no longer reads as if ZeRO-2 could not fit at all (a user's walk through the docs found it)."""
+    overrides = ["model=llama3_8b", "trainer.devices=8", "data.seq_len=8192", "data.batch_size=1"]
+    result = plan(compose(overrides), 80, overrides)
+    assert result["estimates_selective"]["deepspeed_2"]["fits"] and not result["estimates"]["deepspeed_2"]["fits"]
+    rec = result["recommendation"]
+    assert rec["strategy"] == "fsdp" and not rec["activation_checkpointing"]
+    assert rec["why"].endswith("(without activation checkpointing, which is tried after sharding)")
+
+
 def test_long_context_needs_checkpointing_and_nothing_fits_on_a_small_gpu():
     overrides = ["model=llama3_8b", "trainer.devices=8", "data.seq_len=8192", "data.batch_size=4"]
     rec = plan(compose(overrides), 80, overrides)["recommendation"]

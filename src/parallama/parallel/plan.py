@@ -328,8 +328,11 @@ def recommend(
 ) -> tuple[str, bool, str] | None:
     """First (strategy, activation_checkpointing, why) in the guide's order that fits; `plans` holds the
     estimates without (unless the user asked for it), with selective (per-op: recomputes the cheap ops only, so
-    it is tried before full) and with full activation checkpointing (False, "selective", True). The searched
-    N-D profiles (`searched`: name -> its layout's checkpointing) come after every fixed one."""
+    it is tried before full) and with full activation checkpointing (False, "selective", True). The data-parallel
+    steps (ddp, sharded, fully sharded) are tried without checkpointing before any of them with it: sharding
+    costs communication, which overlaps with compute, where recomputing adds compute. Model parallel, then
+    offload, each without, selective and full, come after; the searched N-D profiles (`searched`: name -> its
+    layout's checkpointing) after every fixed one."""
     ckpts = (False, "selective", True)
     steps = [(stage, c) for c in ckpts for stage in GUIDE[:3]]
     steps += [("model parallel", c) for c in ckpts] + [("offload", c) for c in ckpts]
@@ -344,6 +347,8 @@ def recommend(
                     "selective activation checkpointing" if c == "selective" else "activation checkpointing"
                 )
                 more = f"; activations were the problem: with {kind}" if c and False in plans else ""
+                if not c and stage in GUIDE[1:3] and len(plans) > 1:
+                    more = " (without activation checkpointing, which is tried after sharding)"
                 return name, c, WHY[stage] + more
     return None
 

@@ -1,6 +1,6 @@
 """Bad config input: each case is refused before any work, in one line naming the key and what is valid.
 
-102 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
+103 inputs in `CASES` are checked in-process through `preflight`, the same function `parallama-train` runs before
 Hydra starts (it composes the config as Hydra will, so typos, group options, sweeps and `--cfg` are covered);
 tests/integration/test_bad_config_cli.py checks on the real command line that the line is all the user sees.
 """
@@ -20,6 +20,11 @@ from parallama.errors import ConfigError
 
 CASES = [  # (overrides, what the one line must say)
     (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
+    # a key of another option of the group: name it (found: `+strategy.ep` was suggested, then refused otherwise)
+    (
+        ["model=qwen3_moe_tiny", "strategy.ep=2"],
+        "unknown config key 'strategy.ep' for this strategy; it is a key of strategy=model_parallel",
+    ),
     (["model.foo=1"], "unknown config key 'model.foo'; to add a new key write +model.foo=..."),
     (["+model.foo=1"], "model: LlamaConfig.__init__() got an unexpected keyword argument 'foo'"),
     (

@@ -115,7 +115,10 @@ def test_sharding_is_tried_before_checkpointing_and_the_reason_says_so():
     and its reason no longer reads as if ZeRO-2 could not fit at all (a user's walk through the docs found it)."""
     overrides = ["model=llama3_8b", "trainer.devices=8", "data.seq_len=8192", "data.batch_size=1"]
     result = plan(compose(overrides), 80, overrides)
-    assert result["estimates_selective"]["deepspeed_2"]["fits"] and not result["estimates"]["deepspeed_2"]["fits"]
+    assert (
+        result["estimates_selective"]["deepspeed_2"]["fits"]
+        and not result["estimates"]["deepspeed_2"]["fits"]
+    )
     rec = result["recommendation"]
     assert rec["strategy"] == "fsdp" and not rec["activation_checkpointing"]
     assert rec["why"].endswith("(without activation checkpointing, which is tried after sharding)")

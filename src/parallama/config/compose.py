@@ -238,6 +238,10 @@ def _one_line(message: str, compose_defaults: Callable[[], DictConfig], list_key
             defaults = OmegaConf.to_container(compose_defaults(), resolve=False)
             keys = [f"{k}.*" if isinstance(v, dict) else str(k) for k, v in defaults.items() if k != "hydra"]
             return f"unknown or invalid key '{key}'{suggestion}; valid keys: {', '.join(keys)}"
+        if options := _options_with(key):  # strategy.ep under strategy=auto: the option that has it
+            group = key.partition(".")[0]
+            choices = " or ".join(f"{group}={o}" for o in options)
+            return f"unknown config key '{key}' for this {group}; it is a key of {choices} (a new key: +{key}=...)"
         return f"unknown config key '{key}'{suggestion}; to add a new key write +{key}=..."
     if match := re.search(r"Could not find '([^']+)'", lines[0]):
         group, _, option = match.group(1).rpartition("/")
@@ -251,6 +255,17 @@ def _one_line(message: str, compose_defaults: Callable[[], DictConfig], list_key
             ]
         return f"{group}={option} is not an option of config group '{group}'; valid: {', '.join(options)}"
     return " ".join(lines[:3])
+
+
+def _options_with(key: str) -> list[str]:
+    """The options of a config group (conf/<group>/*.yaml) that have `key`'s leaf, for `<group>.<leaf>`."""
+    from parallama import CONF_DIR
+
+    group, _, leaf = key.partition(".")
+    folder = Path(CONF_DIR, group)
+    if not leaf or "." in leaf or not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.yaml") if leaf in (OmegaConf.load(p) or {}))
 
 
 def _did_you_mean(key: str, defaults: DictConfig) -> str:

@@ -150,10 +150,11 @@ class TextDataModule(LightningDataModule):
         """Open the cached splits (once: a validation before training opens them for the fit after it); builds
         the cache when used outside a Trainer. For `fit`, checks that the train split holds one step for every
         rank (else the run would end having trained nothing)."""
-        if not self.datasets and self.mixture:
-            self._setup_mixture()
-        elif not self.datasets:
-            self._open_splits()
+        if not self.datasets:
+            if self.mixture:
+                self._setup_mixture()
+            else:
+                self._open_splits()
         self._check_train_split(stage)
 
     def _open_splits(self) -> None:

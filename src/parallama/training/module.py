@@ -85,9 +85,8 @@ class CausalLM(L.LightningModule):
         with strategy.model_init_context():
             model = self.spec.model(self.config)
         check_model(model, self.spec.family)
-        if (
-            note := parameter_count_note(model, self.spec.family, strategy.param_shape)
-        ) and self.global_rank == 0:
+        note = parameter_count_note(model, self.spec.family, strategy.param_shape)
+        if note and self.global_rank == 0:
             log.warning(note)
         strategy.init_weights(model)
         if self.hparams.init_from:

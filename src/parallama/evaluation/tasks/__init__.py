@@ -91,9 +91,8 @@ def build(root: str | os.PathLike) -> Path:
     if out.is_dir():
         return out
     Path(root).mkdir(parents=True, exist_ok=True)
-    tmp = Path(
-        tmp_name(str(root), ".lm_eval_tasks-")
-    )  # not mkdtemp's 0700: a shared cache keeps the umask's modes
+    # not mkdtemp, whose 0700 would shut the rest of a team out of a shared cache: the umask's modes
+    tmp = Path(tmp_name(str(root), ".lm_eval_tasks-"))
     tmp.mkdir()
     paras = paragraphs()
     for name, docs in (("parallama_cloze", cloze_docs(paras)), ("parallama_choice", choice_docs(paras))):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,21 +43,17 @@ def allowed_targets() -> set[str]:
     return {target for f in files if (target := OmegaConf.load(f).get("_target_"))}
 
 
-def check_targets(node, where: str, key: str = "data", allowed: set[str] | None = None) -> None:
+def check_targets(node, where: str, key: str = "data") -> None:
     """Refuse any `_target_` that is not one of parallama's data classes (Hydra would import and call it)."""
-    allowed = allowed_targets() if allowed is None else allowed
-    if isinstance(node, dict):
-        target = node.get("_target_")
-        if target is not None and target not in allowed:
+    from parallama.config.parts import targets
+
+    allowed = allowed_targets()
+    for path, target in targets(node, key):
+        if target not in allowed:
             raise ConfigError(
-                f"{where} has {key}._target_={target}, which parallama-eval does not instantiate; "
+                f"{where} has {path}._target_={target}, which parallama-eval does not instantiate; "
                 f"allowed: {', '.join(sorted(allowed))}"
             )
-        for k, v in node.items():
-            check_targets(v, where, f"{key}.{k}", allowed)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            check_targets(v, where, f"{key}.{i}", allowed)
 
 
 def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -107,7 +102,7 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
     import torch
 
     from parallama.checkpoint.read import load_checkpoint, load_state_into
-    from parallama.data.shards import tmp_name
+    from parallama.data.index import save_atomic
     from parallama.training.callbacks import ValidationTokens
     from parallama.training.module import CausalLM
 
@@ -117,9 +112,8 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
         digest = hashlib.sha256(ckpt.tokenizer_json.encode()).hexdigest()[:16]
         tok_file = Path(data.cache_dir, f"tokenizer-ckpt-{digest}.json")
         tok_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_name(str(tok_file.parent), ".tokenizer-")  # whole or not at all: ranks may write it at once
-        Path(tmp).write_text(ckpt.tokenizer_json)
-        os.replace(tmp, tok_file)
+        # whole or not at all: ranks may write it at once
+        save_atomic(str(tok_file), lambda f: f.write(ckpt.tokenizer_json.encode()))
         data.tokenizer = {
             "_target_": "parallama.data.tokenizer.from_pretrained",
             "_partial_": True,

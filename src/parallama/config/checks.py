@@ -225,11 +225,11 @@ def _check_recipe(cfg: DictConfig) -> None:
 def _check_targets(cfg: DictConfig) -> None:
     """Every other `_target_` the job builds (a strategy, callback, logger or data source of yours) imports, or
     one line naming its key, before the job prints its config (the recipe's parts are built in `_check_recipe`)."""
-    from parallama.config.parts import import_error, targets
+    from parallama.config.parts import locate_target, targets
 
     for path, target in targets(OmegaConf.to_container(cfg, resolve=False)):
-        if (why := import_error(target)) is not None:
-            raise ConfigError(f"{path}._target_={target} cannot be imported ({why})")
+        if not target.startswith("${"):
+            locate_target(target, f"{path}._target_")
 
 
 DEFAULT_MODULE = "parallama.training.module.CausalLM"
@@ -237,12 +237,10 @@ DEFAULT_MODULE = "parallama.training.module.CausalLM"
 
 def _check_module(target) -> None:
     """`module._target_` names a LightningModule built like CausalLM (a subclass of it)."""
-    from parallama.config.parts import import_error, locate
+    from parallama.config.parts import locate_target
     from parallama.training.module import CausalLM
 
-    if (why := import_error(target)) is not None:
-        raise ConfigError(f"module._target_={target} cannot be imported ({why})")
-    cls = locate(target)
+    cls = locate_target(target, "module._target_")
     if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
         raise ConfigError(f"module._target_={target} is not a subclass of parallama.training.module.CausalLM")
 

@@ -18,19 +18,18 @@ def locate(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def import_error(target: str) -> str | None:
-    """Why `target` cannot be imported, in one line; None if it can."""
+def locate_target(target: str, key: str):
+    """`locate(target)`, or one line: `<key>=<target> cannot be imported (why)`."""
     try:
-        locate(target)
+        return locate(target)
     except Exception as err:  # ImportError, AttributeError, or what the module raised when imported
-        return " ".join(str(err).split())
-    return None
+        raise ConfigError(f"{key}={target} cannot be imported ({' '.join(str(err).split())})") from None
 
 
 def targets(node, path: str = "") -> Iterator[tuple[str, str]]:
     """(key, `_target_`) of every node of a plain config (nested dicts and lists) that names one."""
     if isinstance(node, Mapping):
-        if isinstance(node.get("_target_"), str) and not node["_target_"].startswith("${"):
+        if isinstance(node.get("_target_"), str):
             yield path, node["_target_"]
         for key, value in node.items():
             yield from targets(value, f"{path}.{key}" if path else str(key))

@@ -52,7 +52,7 @@ def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
     (the first directory that has a name wins, as in Hydra's search path)."""
     from omegaconf import OmegaConf
 
-    from parallama.config.parts import import_error, locate
+    from parallama.config.parts import locate_target
     from parallama.parallel.base import Parallelism
 
     found: dict[str, type[Parallelism]] = {}
@@ -61,9 +61,7 @@ def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
             target = OmegaConf.load(path).get("_target_")
             if path.stem in found or not target:
                 continue
-            if (why := import_error(target)) is not None:
-                raise ConfigError(f"{path}: _target_={target} cannot be imported ({why})")
-            obj = locate(target)
+            obj = locate_target(target, f"{path}: _target_")
             if isinstance(obj, type) and issubclass(obj, Parallelism):
                 found[path.stem] = obj
     return found

@@ -16,8 +16,9 @@ WHEELS=(
   # parallama-train itself (what the image lacks)
   hydra-core==1.3.8 omegaconf==2.3.1
   torchao==0.18.0                      # float8
-  # torchtitan 0.3 and what `torchtitan.trainer` imports (torchtitan pins datasets<4.8 and spmd_types 0.2.3)
-  torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.4.4
+  # torchtitan 0.2.2 (the release cut against the GPU image's torch 2.11; 0.3 needs a newer torch) and what
+  # `torchtitan.models.llama3` imports: its data loader's datasets and torchdata, its config's tyro
+  torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.4.4
   datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
 )
 "$PY" -m pip download -q --no-deps --only-binary=:all: "${PLATFORM[@]}" -d "$OUT" "${WHEELS[@]}"

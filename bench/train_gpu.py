@@ -1,24 +1,28 @@
 """`train-gpu`: `parallama-train` itself on one GPU (the user's command, default callbacks), each lever on and off,
-beside the bare loop and torchtitan 0.3 on the same GPU in the same call; results as JSON (bench/results/).
+beside the bare loop and torchtitan 0.2.2 on the same GPU in the same call; results as JSON (bench/results/).
 
-Arms, in the order they run (the most telling first; a time budget, `--budget-s`, skips the rest and says so):
-- `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`), then one lever at a
-  time on top of `compile=true`: `float8=tensorwise|rowwise`, `activation_checkpointing=selective|full`,
-  `optimizer=muon`, `loss.impl=fused`, `callbacks=none` (what the default callbacks cost), and the levers together
-  (`best`).
-  Validation, the sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded
-  corpus, byte tokenizer, the preset's vocabulary.
-  Timed by `Clock` (added as a callback): tokens/s from step `--warmup` to the last (`--steps` later), with one
-  synchronize at each end, and the peak allocated memory.
-- the bare loop (bench/gpu.py's `measure`: the parallama model in plain PyTorch, random tokens), eager and
-  compiled;
-- torchtitan (bench/titan.py): its Llama 3 "1B" with its own parallelize: compile, + selective AC, + rowwise
-  float8 (0.3 has no tensorwise), and eager; the 1B only (it has no 180M flavor).
-MFU = `LlamaConfig.flops_per_token(seq_len)` x tokens/s / the GPU's dense bf16 peak, for every arm alike.
+Arms (`PLAN`: per model, the goals' arms first; `--arms` picks some):
+- `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`: compile is on by
+  default on CUDA), then one lever at a time on top (`LEVERS`): the old default (`compile=false`), the loss,
+  float8, activation checkpointing, the callbacks (`callbacks=none`: what the default ones cost), Muon against
+  AdamW at 16 micro-batches (128k tokens) an optimizer step, and the levers together (`best`). Validation, the
+  sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded corpus, the byte
+  tokenizer, the preset's vocabulary. Timed by bench/clock.py's `Clock`, added as a callback.
+- the bare loop (bench/gpu.py's `measure`: the parallama model in plain PyTorch, random tokens);
+- torchtitan 0.2.2 (bench/titan.py): its Llama 3 at the same widths, parallelized by itself (`TITAN`).
+Models (`MODELS`): Llama-3.2-1B (seq 2048, batch 4), the 180M (seq 512, batch 64: the article's global batch as one
+micro-batch) and an 8B-shaped model (Llama 3 8B's widths, 4 layers, seq 8192, batch 1), where float8's
+published gains are claimed.
 
-`--dry-run`: every arm once on a CPU at tiny sizes (2 steps, no compile: it would add ~30 s per arm there);
-torchtitan is skipped with the reason (it builds its mesh on CUDA and imports triton). Timings of a dry run mean
-nothing. On the GPU machines: bench/gpu_run.sh (installs bench/gpu_wheels.sh's wheels offline, then runs this).
+Fairness: every arm runs `--rounds` times, the arms interleaved (round 1 in `PLAN`'s order, later rounds
+rotated), each run `--windows` timed windows after its warm-up: tokens/s is the median of all its windows, with
+their spread; its peak memory is reset at the same point (the end of the warm-up); its first run profiles one
+step after its windows (bench/clock.py `summary`: where the step's time goes). Each result names the torch version
+it ran on. MFU = `LlamaConfig.flops_per_token(seq_len)` x tokens/s / the GPU's dense bf16 peak, for every arm.
+
+`--dry-run`: the arms once on a CPU at tiny sizes (no compile, torchtitan skipped with its reason: it needs
+CUDA); its timings mean nothing. On the GPU machines: bench/gpu_run.sh (installs bench/gpu_wheels.sh's wheels
+offline, then runs this).
 """
 
 from __future__ import annotations
@@ -26,87 +30,74 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
 from omegaconf import OmegaConf
 
 from bench.common import ROOT, free_port, machine, print_machine, save
 
-MODELS = {"llama3_2_1b": (2048, 4), "llama_180m": (512, 16)}  # seq_len, micro-batch (bench/gpu.py's presets)
-BASE = ["compile=true"]
-LEVERS = {  # name -> overrides; each lever on top of BASE, but `default` (the user's command as it is)
+MODELS = {  # name: (parallama-train overrides, seq_len, micro-batch)
+    "llama3_2_1b": (["model=llama3_2_1b"], 2048, 4),
+    "llama_180m": (["model=llama_180m"], 512, 64),
+    "llama3_8b_4l": (["model=llama3_8b", "model.num_hidden_layers=4"], 8192, 1),
+}
+DRY_MODELS = {"tiny": (["model=tiny"], 64, 2)}
+LEVERS = {  # arm -> overrides on top of the user's command
     "default": [],
-    "compile": BASE,
-    "callbacks=none": [*BASE, "callbacks=none"],
-    "float8=tensorwise": [*BASE, "float8=tensorwise"],
-    "loss.impl=fused": [*BASE, "loss.impl=fused"],
-    "ac=selective": [*BASE, "activation_checkpointing=selective"],
-    "optimizer=muon": [*BASE, "optimizer=muon"],
-    "float8=rowwise": [*BASE, "float8=rowwise"],
-    "ac=full": [*BASE, "activation_checkpointing=full"],
-    "best": [*BASE, "float8=tensorwise", "loss.impl=fused"],
+    "compile=false": ["compile=false"],
+    "loss.impl=fused": ["loss.impl=fused"],
+    "loss.impl=plain": ["loss.impl=plain"],
+    "float8=tensorwise": ["float8=tensorwise"],
+    "float8=rowwise": ["float8=rowwise"],
+    "ac=selective": ["activation_checkpointing=selective"],
+    "callbacks=none": ["callbacks=none"],
+    "best": ["float8=tensorwise", "loss.impl=fused"],
+    "accumulate=16": ["trainer.accumulate_grad_batches=16"],
+    "optimizer=muon accumulate=16": ["optimizer=muon", "trainer.accumulate_grad_batches=16"],
 }
-TITAN = {  # torchtitan arms (bench/titan.py): compile, activation checkpointing, float8
+TITAN = {  # torchtitan arms (bench/titan.py); "best": what the issue names its best settings
+    "titan best": {"compile": True, "ac": "selective", "float8": "tensorwise"},
     "titan compile": {"compile": True, "ac": "none", "float8": None},
-    "titan compile+float8=rowwise": {"compile": True, "ac": "none", "float8": "rowwise"},
-    "titan compile+ac=selective": {"compile": True, "ac": "selective", "float8": None},
-    "titan eager": {"compile": False, "ac": "none", "float8": None},
 }
-DRY_MODELS = {"tiny": (64, 2)}  # --dry-run's
+BARE = {"bare compile": True, "bare eager": False}
+PLAN = {  # per model, in the order round 1 runs them
+    "llama3_2_1b": [
+        "default", "titan best", "loss.impl=fused", "float8=tensorwise", "best", "compile=false",
+        "titan compile", "optimizer=muon accumulate=16", "accumulate=16", "float8=rowwise", "ac=selective",
+        "callbacks=none", "bare compile",
+    ],
+    "llama_180m": ["default", "compile=false", "loss.impl=fused", "float8=tensorwise"],
+    "llama3_8b_4l": ["default", "float8=tensorwise"],
+    "tiny": ["default", "loss.impl=fused", "callbacks=none", "accumulate=16", "bare eager", "titan compile"],
+}  # fmt: skip
 
 
-def shape(model: str) -> tuple[int, int]:
+def shape(model: str) -> tuple[list[str], int, int]:
     return {**MODELS, **DRY_MODELS}[model]
 
 
-class Clock(L.Callback):
-    """Added to the timed parallama-train runs (`+callbacks.bench_clock`): tokens/s from optimizer step `start` to
-    the run's last, a synchronize at each end only, and the peak allocated bytes; written as JSON to `path`."""
-
-    def __init__(self, path: str, start: int) -> None:
-        self.path, self.start = path, start
-        self.t0, self.tokens = 0.0, 0
-
-    def _sync(self, trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step == self.start:
-            self._sync(trainer)
-            self.t0, self.tokens = time.perf_counter(), 0
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-        elif step > self.start:
-            self.tokens += batch["input_ids"].numel()
-        if step == trainer.max_steps and trainer.is_global_zero:
-            self._sync(trainer)
-            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-            rate = self.tokens / (time.perf_counter() - self.t0)
-            Path(self.path).write_text(json.dumps({"tokens_per_s": rate, "peak_bytes": peak}))
-
-
-def command(model: str, lever: list[str], args, run_dir: Path, out: Path) -> list[str]:
-    """The `parallama-train` command of an arm (its Clock writes `out`)."""
-    seq_len, batch = shape(model)
-    overrides = [o for o in lever if not (args.dry_run and o == "compile=true")]
+def command(model: str, lever: list[str], args, run_dir: Path, out: Path, profile: int) -> list[str]:
+    """The `parallama-train` command of one run of an arm (its Clock writes `out`)."""
+    overrides, seq_len, batch = shape(model)
+    accumulate = next((int(o.split("=")[1]) for o in lever if o.startswith("trainer.accumulate")), 1)
+    optimizer_steps = max(2, -(-args.warmup // accumulate)) + args.windows * -(-args.steps // accumulate)
     line = [
-        sys.executable, "-m", "parallama.cli.train", f"model={model}",
-        f"data.seq_len={seq_len}", f"data.batch_size={batch}", f"trainer.max_steps={args.warmup + args.steps}",
+        sys.executable, "-m", "parallama.cli.train", *overrides,
+        f"data.seq_len={seq_len}", f"data.batch_size={batch}", f"trainer.max_steps={optimizer_steps + profile + 2}",
         "trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0",
-        f"paths.cache_dir={args.cache_dir}", f"hydra.run.dir={run_dir}", *overrides,
+        f"paths.cache_dir={args.cache_dir}", f"hydra.run.dir={run_dir}", *lever,
     ]  # fmt: skip
-    if "callbacks=none" not in overrides:
+    if "callbacks=none" not in lever:
         line += ["~callbacks.last_checkpoint", "~callbacks.model_checkpoint"]
-    line += ["+callbacks.bench_clock._target_=bench.train_gpu.Clock", f"+callbacks.bench_clock.path={out}"]
-    line += [f"+callbacks.bench_clock.start={args.warmup}"]
+    clock = {"_target_": "bench.clock.Clock", "path": out, "warmup": args.warmup, "steps": args.steps}
+    clock.update(windows=args.windows, profile=profile)
+    line += [f"+callbacks.bench_clock.{k}={v}" for k, v in clock.items()]
     return line + (["trainer.accelerator=cpu"] if args.dry_run else [])
 
 
@@ -116,41 +107,40 @@ def child_env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
-def train_arm(model: str, lever: list[str], args, tmp: Path, name: str, timeout: float) -> dict:
-    """One `parallama-train` run; its Clock's figures, or the error's last lines."""
+def last_lines(proc) -> str:
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return " | ".join(lines[-4:])
+
+
+def train_run(model: str, lever: list[str], args, tmp: Path, name: str, timeout: float, profile: int) -> dict:
+    """One `parallama-train` run of an arm: its Clock's windows, or the error's last lines."""
     out = tmp / f"{name}.json"
-    line = command(model, lever, args, tmp / name, out)
-    result = {"command": "parallama-train " + " ".join(line[3:])}
+    out.unlink(missing_ok=True)
+    line = command(model, lever, args, tmp / name, out, profile)
     try:
         proc = subprocess.run(
             line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return {**result, "error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0 or not out.exists():
-        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-        return {**result, "error": " | ".join(lines[-4:])}
-    return {**result, **json.loads(out.read_text())}
+        return {"error": f"timed out after {timeout:.0f} s"}
+    found = json.loads(out.read_text()) if out.exists() else {}
+    if proc.returncode != 0 or not found.get("rates"):
+        return {**found, "error": last_lines(proc)}
+    return found
 
 
 def child(command: list[str], timeout: float) -> dict:
     """A `python -m ...` arm in its own process (the GPU's memory is its own); its `RESULT {json}` line."""
-    env = child_env()
+    line = [sys.executable, "-m", *command]
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", *command],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not found:
-        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-        return {"error": " | ".join(lines[-4:])}
+        return {"error": last_lines(proc)}
     return json.loads(found[-1][len("RESULT ") :])
 
 
@@ -159,79 +149,119 @@ def bare(model: str, compile: bool, args) -> None:
     from bench.common import preset
     from bench.gpu import measure
 
-    seq_len, batch = shape(model)
-    cfg = preset(model, 320)  # 320: the byte tokenizer's, as parallama-train
+    overrides, seq_len, batch = shape(model)
+    cfg = preset(overrides[0].split("=")[1], 320)  # 320: the byte tokenizer's, as parallama-train
+    cfg.update(model_fields(overrides))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    loop = type("Loop", (), {"warmup": args.warmup, "steps": args.steps, "repeats": 1})
+    loop = type("Loop", (), {"warmup": args.warmup, "steps": args.steps, "repeats": args.windows})
     rates, peak = measure(cfg, seq_len, batch, {"compile": compile and not args.dry_run}, device, loop)
-    print("RESULT " + json.dumps({"tokens_per_s": rates[0], "peak_bytes": peak}), flush=True)
+    print("RESULT " + json.dumps({"rates": rates, "peak_bytes": peak}), flush=True)
 
 
-def arms(args) -> list[tuple[str, str, callable]]:
-    """(model, arm name, how to run it with a timeout), in the order they run."""
-    found = []
-    models = list(DRY_MODELS) if args.dry_run else args.models
-    for model in models:
-        levers = dict(LEVERS)
-        if model == "llama_180m":  # the small model: the levers that matter there
-            levers = {k: v for k, v in levers.items() if k not in ("float8=rowwise", "ac=full", "best")}
-        for name, lever in levers.items():
-            found.append((model, name, lever))
-            if name == "default":
-                found += [(model, f"bare {c}", c) for c in ("eager", "compile")]
-            if name == "compile" and model != "llama_180m":
-                found += [(model, t, TITAN[t]) for t in TITAN]
-    return [arm for arm in found if not args.arms or arm[1] in args.arms]
+def model_fields(overrides: list[str]) -> dict:
+    """The `model.<field>=<value>` overrides of a model's command, as fields."""
+    fields = {}
+    for o in overrides:
+        if o.startswith("model."):
+            key, value = o[len("model.") :].split("=", 1)
+            fields[key] = int(value) if value.isdigit() else value
+    return fields
 
 
-def run_arm(model: str, name: str, what, args, tmp: Path, timeout: float) -> dict:
-    dry = ["--dry-run"] if args.dry_run else []
-    steps = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
-    if name.startswith("bare"):
-        return child(
-            ["bench.train_gpu", "--bare", model, *(["--compile"] if what == "compile" else []), *steps, *dry],
-            timeout,
-        )
-    if name.startswith("titan"):
-        if args.dry_run:
-            return {
-                "skipped": "torchtitan 0.3 builds its device mesh on CUDA (no CPU path) and imports triton"
-            }
-        seq_len, batch = shape(model)
-        arm = {"flavor": "1B", "seq_len": seq_len, "batch": batch, **what}
-        arm.update(warmup=args.warmup, steps=args.steps, repeats=1, port=free_port())
+def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int) -> dict:
+    """One run of an arm, whatever runs it."""
+    if name in BARE:
+        dry = ["--dry-run"] if args.dry_run else []
+        steps = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--windows", str(args.windows)]
+        compile = ["--compile"] if BARE[name] else []
+        return child(["bench.train_gpu", "--bare", model, *compile, *steps, *dry], timeout)
+    if name in TITAN:
+        if args.dry_run or not torch.cuda.is_available():
+            return {"skipped": "torchtitan builds its model on CUDA (no CPU path) and imports triton"}
+        _, seq_len, batch = shape(model)
+        arm = {"shape": model, "seq_len": seq_len, "batch": batch, **TITAN[name], "warmup": args.warmup}
+        arm.update(steps=args.steps, windows=args.windows, port=free_port())
         return child(["bench.titan", json.dumps(arm)], timeout)
-    return train_arm(model, what, args, tmp, name.replace("=", "-").replace(" ", "_"), timeout)
+    slug = name.replace("=", "-").replace(" ", "_")
+    return train_run(model, LEVERS[name], args, tmp, f"{model}-{slug}", timeout, profile)
+
+
+def schedule(args) -> list[tuple[int, str, str]]:
+    """(round, model, arm) in the order they run: round 1 in PLAN's order, each later round rotated by one more
+    arm, so that no arm always runs first or right after the same one."""
+    models = list(DRY_MODELS) if args.dry_run else args.models
+    plan = {m: [a for a in PLAN[m] if wanted(args.arms, m, a)] for m in models}
+    order = []
+    for r in range(args.rounds):
+        for m, arms in plan.items():
+            k = r % len(arms) if arms else 0
+            order += [(r, m, a) for a in arms[k:] + arms[:k]]
+    return order
+
+
+def wanted(arms: list[str] | None, model: str, arm: str) -> bool:
+    """`--arms` names an arm for every model (`default`) or for one (`llama_180m:default`); none: all."""
+    return not arms or arm in arms or f"{model}:{arm}" in arms
+
+
+def summarize_arm(runs: list[dict]) -> dict:
+    """An arm's runs as one row: the median of all its windows, their spread, the highest peak."""
+    rates = [r for run in runs for r in run.get("rates", [])]
+    row = {"runs": runs, "torch": torch.__version__}
+    if rates:
+        row.update(tokens_per_s=statistics.median(rates), windows=len(rates))
+        row["spread"] = [min(rates), max(rates)]
+        row["peak_bytes"] = max(run.get("peak_bytes", 0) for run in runs)
+    else:
+        row["error"] = next((r.get("error") or r.get("skipped") for r in runs), None)
+    return row
+
+
+def flops_per_token(model: str) -> float:
+    from parallama.models.llama.config import LlamaConfig
+
+    overrides, seq_len, _ = shape(model)
+    name = overrides[0].split("=")[1]
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"), resolve=True)
+    cfg.pop("family")
+    cfg.update(model_fields(overrides), vocab_size=cfg["vocab_size"] or 320)
+    return LlamaConfig(**cfg).flops_per_token(seq_len)
+
+
+RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
+    "default / compile=false (what the new default bought)": ("default", "compile=false"),
+    "default / titan best": ("default", "titan best"),
+    "best / titan best": ("best", "titan best"),
+    "default / titan compile": ("default", "titan compile"),
+    "loss.impl=fused / default": ("loss.impl=fused", "default"),
+    "loss.impl=plain / default": ("loss.impl=plain", "default"),
+    "float8=tensorwise / default": ("float8=tensorwise", "default"),
+    "float8=rowwise / default": ("float8=rowwise", "default"),
+    "best / default": ("best", "default"),
+    "ac=selective / default": ("ac=selective", "default"),
+    "default callbacks' cost (1 - default / callbacks=none)": ("default", "callbacks=none"),
+    "optimizer=muon / adamw, both accumulate=16": ("optimizer=muon accumulate=16", "accumulate=16"),
+    "default / bare compile": ("default", "bare compile"),
+}
 
 
 def summarize(results: dict, peak_flops: float | None) -> dict:
-    """MFU per arm, and the ratios the issue's goals are stated in."""
-    from parallama.models.llama.config import LlamaConfig
-
+    """MFU per arm, and the ratios the issue's goals are stated in (tokens/s, and peak memory)."""
     ratios = {}
     for model, rows in results.items():
-        cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"), resolve=True)
-        cfg.pop("family")
-        cfg["vocab_size"] = cfg["vocab_size"] or 320
-        flops = LlamaConfig(**cfg).flops_per_token(shape(model)[0])
+        flops = flops_per_token(model)
         for row in rows.values():
             if row.get("tokens_per_s"):
                 row["peak_gib"] = row["peak_bytes"] / 2**30
                 row["mfu"] = flops * row["tokens_per_s"] / peak_flops if peak_flops else None
-
-        rate = {k: r.get("tokens_per_s") for k, r in rows.items()}.get
-        pairs = {f"{k} / compile": (k, "compile") for k in rows if k not in ("compile", "default")}
-        pairs["compile / default"] = ("compile", "default")
-        pairs["default callbacks' cost (1 - compile / callbacks=none)"] = ("compile", "callbacks=none")
-        pairs["default / bare eager"] = ("default", "bare eager")
-        pairs["compile / bare compile"] = ("compile", "bare compile")
-        pairs["compile / titan compile"] = ("compile", "titan compile")
-        pairs["best / titan compile+float8=rowwise"] = ("best", "titan compile+float8=rowwise")
         ratios[model] = {}
-        for label, (a, b) in pairs.items():
-            if rate(a) and rate(b):
-                value = rate(a) / rate(b)
-                ratios[model][label] = 1 - value if "cost" in label else value
+        for label, (a, b) in RATIOS.items():
+            ra, rb = rows.get(a, {}), rows.get(b, {})
+            if ra.get("tokens_per_s") and rb.get("tokens_per_s"):
+                value = ra["tokens_per_s"] / rb["tokens_per_s"]
+                ratios[model][label] = round(1 - value if "cost" in label else value, 4)
+                if ra.get("peak_bytes") and rb.get("peak_bytes") and "cost" not in label:
+                    ratios[model][f"{label}, peak memory"] = round(ra["peak_bytes"] / rb["peak_bytes"], 4)
     return ratios
 
 
@@ -239,8 +269,9 @@ def run(args) -> dict:
     if args.bare:
         bare(args.bare, args.compile, args)
         return {}
-    if args.arms and (unknown := set(args.arms) - {*LEVERS, *TITAN, "bare eager", "bare compile"}):
-        raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}")
+    known = {*LEVERS, *TITAN, *BARE}
+    if args.arms and (unknown := {a.split(":", 1)[-1] for a in args.arms} - known):
+        raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     from bench.gpu import peak_flops
 
     info = machine()
@@ -249,25 +280,33 @@ def run(args) -> dict:
         print("no CUDA device: train-gpu needs one (--dry-run runs every arm once on this CPU)")
         return {}
     peak = None if args.dry_run else peak_flops(torch.device("cuda"))
-    results: dict = {}
+    runs: dict = {}
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        for model, name, what in arms(args):
+        for r, model, name in schedule(args):
             left = args.budget_s - (time.monotonic() - start)
-            row = results.setdefault(model, {})
+            done = runs.setdefault(model, {}).setdefault(name, [])
             if left < args.min_arm_s:
-                row[name] = {"skipped": f"time budget: {left:.0f} s of --budget-s {args.budget_s} left"}
+                done.append({"skipped": f"round {r + 1}: time budget, {left:.0f} s of --budget-s left"})
                 continue
+            if any("error" in d or "skipped" in d for d in done):
+                continue  # an arm that failed once is not retried
             t0 = time.monotonic()
-            row[name] = run_arm(model, name, what, args, Path(tmp), min(left, args.arm_timeout_s))
-            row[name]["seconds"] = round(time.monotonic() - t0, 1)
-            shown = row[name].get("tokens_per_s") or row[name].get("skipped") or row[name].get("error")
-            print(f"{model:12s} {name:32s} {row[name]['seconds']:6.1f} s  {shown}", flush=True)
-            save(args.out, "train-gpu", info, {"results": results, "dry_run": args.dry_run})
+            result = arm_run(
+                model, name, args, Path(tmp), min(left, args.arm_timeout_s), int(r == 0) * args.profile
+            )
+            result["seconds"] = round(time.monotonic() - t0, 1)
+            done.append(result)
+            shown = result.get("rates") or result.get("skipped") or result.get("error")
+            print(f"round {r + 1} {model:13s} {name:30s} {result['seconds']:6.1f} s  {shown}", flush=True)
+            rows = {m: {a: summarize_arm(x) for a, x in arms.items()} for m, arms in runs.items()}
+            save(args.out, "train-gpu", info, {"results": rows, "dry_run": args.dry_run})
+    results = {m: {a: summarize_arm(x) for a, x in arms.items()} for m, arms in runs.items()}
     out = {"results": results, "ratios": summarize(results, peak), "dry_run": args.dry_run}
     out["notes"] = [
-        "timings of a --dry-run (CPU, tiny sizes, 2 steps) mean nothing" if args.dry_run else
-        f"{args.steps} timed steps after {args.warmup}; tokens/s per GPU",
+        "timings of a --dry-run (CPU, tiny sizes) mean nothing" if args.dry_run else
+        f"tokens/s per GPU: median of {args.rounds} interleaved runs x {args.windows} windows of >= {args.steps} "
+        f"micro-batches after {args.warmup}; peak memory from the end of each run's warm-up",
     ]  # fmt: skip
     save(args.out, "train-gpu", info, out)
     print(json.dumps(out["ratios"], indent=2))
@@ -275,21 +314,24 @@ def run(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["llama3_2_1b"], choices=list(MODELS))
+    p.add_argument("--warmup", type=int, default=10, help="untimed micro-batches (compilation happens there)")
     p.add_argument(
-        "--warmup", type=int, default=10, help="untimed optimizer steps (compilation happens there)"
+        "--steps", type=int, default=10, help="micro-batches per timed window (whole optimizer steps)"
     )
-    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per arm")
-    p.add_argument("--budget-s", type=float, default=480, help="arms that would start later are skipped")
+    p.add_argument("--windows", type=int, default=2, help="timed windows per run of an arm")
+    p.add_argument("--rounds", type=int, default=2, help="runs per arm, interleaved with the other arms'")
+    p.add_argument("--profile", type=int, default=1, help="optimizer steps profiled after an arm's first run")
+    p.add_argument("--budget-s", type=float, default=480, help="runs that would start later are skipped")
+    p.add_argument("--min-arm-s", type=float, default=30, help="a run starts only with this much budget left")
+    p.add_argument("--arm-timeout-s", type=float, default=150, help="one run's limit")
     p.add_argument(
-        "--min-arm-s", type=float, default=40, help="an arm starts only with this much budget left"
+        "--dry-run", action="store_true", help="the arms once on CPU, tiny sizes (checks the script)"
     )
-    p.add_argument("--arm-timeout-s", type=float, default=150, help="one arm's limit")
     p.add_argument(
-        "--dry-run", action="store_true", help="every arm once on CPU, tiny sizes (checks the script)"
-    )
-    p.add_argument(
-        "--arms", nargs="+", help="only these arms (names as in the results), e.g. default 'bare eager'"
+        "--arms",
+        nargs="+",
+        help="only these arms (as in the results), e.g. default 'llama_180m:compile=false'",
     )
     p.add_argument("--bare", help=argparse.SUPPRESS, default=None)  # a bare-loop arm's child process
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)

@@ -36,10 +36,10 @@ COMMON = [
 ]
 SAMPLE = "sample.max_new_tokens=4"  # the end-of-run sample, over float8 linears
 LAYOUTS = {  # name: (ranks, per-rank batch, overrides)
-    "auto": (1, 8, ["float8=tensorwise"]),
-    "ddp": (2, 4, ["float8=tensorwise", "strategy=ddp"]),
-    "fsdp": (2, 4, ["float8=tensorwise", "strategy=fsdp"]),
-    "tp": (2, 8, ["float8=tensorwise", "strategy=model_parallel", "strategy.tp=2", SAMPLE]),  # FullLogits
+    "auto": (1, 8, ["float8=tensorwise", "float8_filter=all"]),
+    "ddp": (2, 4, ["float8=tensorwise", "float8_filter=all", "strategy=ddp"]),
+    "fsdp": (2, 4, ["float8=tensorwise", "float8_filter=all", "strategy=fsdp"]),
+    "tp": (2, 8, ["float8=tensorwise", "float8_filter=all", "strategy=model_parallel", "strategy.tp=2", SAMPLE]),  # FullLogits
 }
 
 

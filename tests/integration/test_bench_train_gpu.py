@@ -1,6 +1,6 @@
-"""`python -m bench train-gpu` cannot rot while no GPU runs it: a dry run of its arms on CPU (one step each, tiny
-sizes; its timings mean nothing), and every lever's parallama-train command composes (keys and values checked as
-parallama-train checks them)."""
+"""`python -m bench train-gpu` cannot rot while no GPU runs it: a dry run of its arms on CPU (tiny sizes, two
+interleaved rounds; its timings mean nothing), and every lever's parallama-train command composes (keys and values
+checked as parallama-train checks them) for every model the GPU call runs."""
 
 from __future__ import annotations
 
@@ -10,45 +10,62 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.__main__ import main
-from bench.train_gpu import LEVERS, command
+from bench.train_gpu import LEVERS, MODELS, command
 from parallama.config.compose import compose_tool
 
-ARMS = ["default", "callbacks=none", "bare eager", "titan compile", "loss.impl=fused"]
+ARMS = ["default", "bare eager", "titan compile"]
 
 
-def test_a_dry_run_times_parallama_train_the_bare_loop_and_skips_torchtitan_with_its_reason(
+def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchtitan_with_its_reason(
     capsys, tmp_path, data_cache
 ):
     out = tmp_path / "train_gpu.json"
-    argv = ["train-gpu", "--dry-run", "--warmup", "1", "--steps", "1", "--arms", *ARMS]
-    main([*argv, "--cache-dir", str(data_cache), "--out", str(out)])
+    argv = ["train-gpu", "--dry-run", "--warmup", "1", "--steps", "1", "--windows", "2", "--rounds", "2"]
+    main([*argv, "--arms", *ARMS, "--cache-dir", str(data_cache), "--out", str(out)])
     text = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["benchmark"] == "train-gpu" and result["dry_run"] and "# cpu: " in text
+    ran = [line.split()[1:4] for line in text.splitlines() if line.startswith("round ")]
+    # round 1 in PLAN's order, round 2 rotated by one; torchtitan skipped once, not tried again
+    assert ran == [
+        ["1", "tiny", "default"],
+        ["1", "tiny", "bare"],
+        ["1", "tiny", "titan"],
+        ["2", "tiny", "bare"],
+        ["2", "tiny", "default"],
+    ]
     rows = result["results"]["tiny"]
-    assert list(rows) == ["default", "bare eager", "titan compile", "callbacks=none", "loss.impl=fused"]
-    for name in ("default", "callbacks=none", "bare eager"):  # ran: the Clock's figures (no GPU: no peak)
-        assert rows[name]["tokens_per_s"] > 0 and rows[name]["peak_bytes"] == 0, rows[name]
-    assert rows["default"]["command"].startswith(
-        "parallama-train model=tiny data.seq_len=64 data.batch_size=2"
+    for name in ("default", "bare eager"):  # two runs of two windows each: the median of 4 and their spread
+        row = rows[name]
+        assert row["windows"] == 4 and row["spread"][0] <= row["tokens_per_s"] <= row["spread"][1], row
+        assert row["torch"] == torch.__version__ and row["peak_bytes"] == 0, row  # no GPU: no peak
+    first, second = rows["default"]["runs"]
+    profile = first["profile"]  # the first run of a parallama-train arm profiles one step after its windows
+    assert profile["clock"] == "cpu" and profile["ms_per_step_by_kind"] == {}  # kernels: on a GPU only
+    assert {"parallama.loss", "parallama.clip_gradients", "Optimizer.step"} <= set(
+        profile["ms_per_step_in_ranges"]
     )
-    assert "CUDA" in rows["titan compile"]["skipped"]
-    assert rows["loss.impl=fused"]["tokens_per_s"] > 0
-    assert result["ratios"]["tiny"]["default / bare eager"] > 0
+    assert profile["top_ops"] and "profile" not in second
+    assert "CUDA" in rows["titan compile"]["error"]
+    assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
 
 
-@pytest.mark.parametrize("model", ["llama3_2_1b", "llama_180m"])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_every_lever_composes_as_parallama_train_checks_it(tmp_path, model):
-    args = Namespace(dry_run=False, warmup=10, steps=20, cache_dir=str(tmp_path))
+    args = Namespace(dry_run=False, warmup=10, steps=10, windows=3, cache_dir=str(tmp_path))
     for name, lever in LEVERS.items():
-        line = command(model, lever, args, tmp_path / "run", tmp_path / "clock.json")
+        line = command(model, lever, args, tmp_path / "run", tmp_path / "clock.json", profile=1)
         overrides = [o for o in line[3:] if not o.startswith("hydra.")]
         cfg = compose_tool("train", overrides)
-        assert cfg.model.hidden_size in (2048, 768), name
-        assert cfg.callbacks.bench_clock._target_ == "bench.train_gpu.Clock", name
+        assert cfg.model.hidden_size in (2048, 768, 4096), name
+        assert cfg.callbacks.bench_clock._target_ == "bench.clock.Clock", name
         assert ("last_checkpoint" in cfg.callbacks) is False, name
+        # enough optimizer steps for the warm-up (at least 2), the windows and the profiled step
+        accumulate = cfg.trainer.accumulate_grad_batches
+        assert cfg.trainer.max_steps * accumulate >= 10 + 3 * 10 + accumulate, name
 
 
 def test_without_cuda_train_gpu_says_so(capsys):

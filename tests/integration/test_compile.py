@@ -36,6 +36,7 @@ def test_compiled_selective_checkpointing_and_float8_match_eager_gradients(monke
     from parallama.parallel.base import OutsideATrainer
 
     monkeypatch.setattr(OutsideATrainer, "float8", "tensorwise")  # what parallama-train sets on its strategy
+    monkeypatch.setattr(OutsideATrainer, "float8_filter", "all")  # the tiny model's linears are all small
     torch.manual_seed(0)
     eager = built()
     compiled = built(compile=True, activation_checkpointing="selective")
@@ -44,5 +45,31 @@ def test_compiled_selective_checkpointing_and_float8_match_eager_gradients(monke
     ids = torch.randint(0, 64, (2, 16))
     for module in (eager, compiled):
         module.model(ids).float().pow(2).mean().backward()
+    for (name, a), (_, b) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_auto_is_on_for_cuda_only_and_an_explicit_value_wins():
+    from parallama.parallel.options import compile_enabled
+
+    assert compile_enabled("auto", "cuda") and not compile_enabled("auto", "cpu")
+    assert compile_enabled(True, "cpu") and not compile_enabled(False, "cuda")
+    module = built(compile="auto")  # outside a Trainer: the CPU
+    assert module.compiled_loss is None
+    assert all(block._compiled_call_impl is None for block in module.model.layers.values())
+    assert all(block._compiled_call_impl is not None for block in built(compile=True).model.layers.values())
+
+
+def test_the_loss_is_compiled_with_the_blocks_and_gives_eagers_loss_and_gradients():
+    torch.manual_seed(0)
+    eager, compiled = built(), built(compile=True)
+    compiled.model.load_state_dict(eager.model.state_dict())
+    assert eager.compiled_loss is None and compiled.compiled_loss is not None
+    batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    losses = [module.loss(batch) for module in (eager, compiled)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert "Compiled" in type(losses[1].grad_fn).__name__  # the compiled loss ran, not the eager one
+    for loss in losses:
+        loss.backward()
     for (name, a), (_, b) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -25,7 +25,7 @@ CASES = {
     "ddp_bf16_mixed": ["strategy=ddp", "trainer.precision=bf16-mixed", "optimizer.fused=true", "logger=[]"],
     # rowwise float8 linears fail under inference mode, Lightning's validation context on one process (and on
     # NCCL): with float8 validation runs under no_grad (test_float8_parity.py samples under tp and fsdp)
-    "auto_float8_rowwise": ["float8=rowwise"],
+    "auto_float8_rowwise": ["float8=rowwise", "float8_filter=all"],
 }
 COMMON = [
     "trainer.max_steps=3",

@@ -113,7 +113,8 @@ CASES = [  # (overrides, what the one line must say)
     (["sample.max_new_tokens=-5"], "sample.max_new_tokens=-5 is not valid; use an integer >= 0"),
     (["sample.temperature=-1"], "sample.temperature=-1 is not valid; use a number >= 0"),
     (["sample.top_k=0"], "sample.top_k=0 is not valid; use an integer >= 1 or null"),
-    (["compile=yes"], "compile='yes' is not valid; use true or false"),
+    (["compile=yes"], "compile='yes' is not valid; use one of 'auto' or true or false"),
+    (["float8=tensorwise", "float8_filter=some"], "float8_filter='some' is not valid; use one of 'auto', 'all'"),
     (
         ["activation_checkpointing=2"],
         "activation_checkpointing=2 is not valid; use one of 'none', 'full', 'selective' or true or false",
@@ -129,7 +130,7 @@ CASES = [  # (overrides, what the one line must say)
     ),
     (["float8=fp4"], "float8='fp4' is not valid; use one of 'tensorwise', 'rowwise' or null"),
     (
-        ["float8=tensorwise", "model.intermediate_size=200"],
+        ["float8=tensorwise", "float8_filter=all", "model.intermediate_size=200"],
         "float8=tensorwise: layers.0.mlp.gate_proj is 128 -> 200, float8 matmuls need both multiples of 16",
     ),
     (["float8=rowwise", "strategy=deepspeed"], "float8=rowwise is not supported under strategy=deepspeed"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from parallama import CONF_DIR as CONF
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
@@ -19,7 +21,7 @@ def model(recipe: str | None) -> Llama:
     torch.manual_seed(0)
     m = Llama(LlamaConfig(**CONFIG))
     if recipe:
-        apply_float8(m, recipe, emulate=True)
+        apply_float8(m, recipe, emulate=True, filter="all")  # tiny: torchao's filter would keep none
     return m
 
 
@@ -74,7 +76,47 @@ def test_a_linear_of_unaligned_size_is_refused_naming_it():
     with pytest.raises(
         ConfigError, match=r"^float8=rowwise: layers.0.mlp.gate_proj is 32 -> 72, .*multiples of 16"
     ):
-        apply_float8(m, "rowwise", emulate=True)
+        apply_float8(m, "rowwise", emulate=True, filter="all")
+
+
+BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize(
+    "recipe, kept",  # at Llama-3.2-1B's widths (2048 hidden, 512 for k/v, 8192 in the MLP)
+    [
+        ("tensorwise", {"self_attn.q_proj", "self_attn.o_proj", *MLP}),  # not k/v: 2048 -> 512
+        ("rowwise", {"mlp.gate_proj", "mlp.up_proj"}),  # N <= 2048 stays high precision
+    ],
+)
+def test_auto_converts_only_the_linears_torchaos_filter_says_gain(recipe, kept):
+    from parallama.models import model_spec
+    from parallama.parallel.float8 import converted_linears, float8_note
+
+    fields = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "llama3_2_1b.yaml"))
+    fields["num_hidden_layers"] = 2
+    spec = model_spec(fields)
+    with torch.device("meta"):
+        config = spec.build_config(fields)
+        big = spec.model(config)
+    names = {name for name, _ in converted_linears(big, recipe, "auto")}
+    assert names == {f"layers.{i}.{p}" for i in range(2) for p in kept}
+    assert len(converted_linears(big, recipe, "all")) == 2 * len(BLOCK + MLP)
+    assert float8_note(big, recipe, "auto", config.hidden_size) is None
+
+
+def test_a_model_too_small_to_gain_is_said_in_one_line():
+    from parallama.parallel.float8 import float8_note
+
+    with torch.device("meta"):
+        small = Llama(LlamaConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 3072}))
+        tiny = Llama(LlamaConfig(**CONFIG))
+    note = float8_note(small, "tensorwise", "auto", 768)
+    assert note.startswith("float8=tensorwise: model.hidden_size=768 < 2048 is too small") and "\n" not in note
+    assert "4 of 14 block linears converted" in note  # gate and up (768 -> 3072) in each of 2 blocks
+    assert "keeps none of the 14 block linears" in float8_note(tiny, "tensorwise", "auto", 32)
+    assert "14 of 14" in float8_note(tiny, "tensorwise", "all", 32)
 
 
 def test_a_float8_model_generates_under_no_grad_not_inference_mode():

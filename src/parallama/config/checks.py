@@ -180,7 +180,7 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
         )
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     fields["vocab_size"] = fields.get("vocab_size") or 64  # the head is not converted: any size does
-    check_float8(recipe, on_gpu=on_gpu, model_fields=fields)
+    check_float8(recipe, on_gpu=on_gpu, model_fields=fields, filter=cfg.get("float8_filter", "auto"))
 
 
 def _check_model_shape(model: DictConfig) -> None:

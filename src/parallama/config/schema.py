@@ -20,7 +20,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from parallama.config.rules import Check, Rule, check_value, key, rules
 from parallama.parallel.dims import DP_SIZE, SIZE
-from parallama.parallel.options import AC_MODES, AC_POLICY_RULES, FLOAT8_RECIPES
+from parallama.parallel.options import (
+    AC_MODES,
+    AC_POLICY_RULES,
+    COMPILE_MODES,
+    FLOAT8_FILTERS,
+    FLOAT8_RECIPES,
+)
 from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
@@ -71,9 +77,10 @@ class Run:
     seed: int = key(42, COUNT)
     ckpt_path: str | None = key(None)  # checked as a file in checks.check_inputs
     global_batch_size: int | None = key(None, SOME)
-    compile: bool = key(False, BOOL)
+    compile: bool | str = key("auto", Rule(str, choices=COMPILE_MODES, allow=(True, False)))
     activation_checkpointing: str | bool = key("none", Rule(str, choices=AC_MODES, allow=(True, False)))
     float8: str | None = key(None, Rule(str, choices=FLOAT8_RECIPES, allow=(None,)))
+    float8_filter: str = key("auto", Rule(str, choices=FLOAT8_FILTERS))
     init_from: str | None = key(None)  # a Hugging Face folder, read in checks.check_inputs
     validate_before_training: bool = key(True, BOOL)
 

@@ -42,6 +42,7 @@ class Parallelism:
     reruns_the_command: ClassVar[bool] = True  # its ranks run this job's command (not spawned by Lightning)
     _universal_loaded = False
     float8: str | None = None  # `float8` of conf/train.yaml (parallel/float8.py), set by parallama-train
+    float8_filter: str = "auto"  # `float8_filter`: which block linears it converts
 
     # --- the device mesh --------------------------------------------------------------------------------
 
@@ -95,7 +96,8 @@ class Parallelism:
         """What the model's plan applies. Default: nothing sharded here (DDP and DeepSpeed shard by themselves)."""
         float8 = None
         if self.float8 is not None:  # torchao's emulation where there is no float8 matmul
-            float8 = Float8Options(self.float8, emulate=self.root_device.type != "cuda")
+            emulate = self.root_device.type != "cuda"
+            float8 = Float8Options(self.float8, emulate=emulate, filter=self.float8_filter)
         return ParallelizeOptions(
             dims=self.dims,
             compile=compile,

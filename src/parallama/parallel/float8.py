@@ -2,6 +2,13 @@
 torchao `Float8Linear`s (the output head and the embedding stay as they are, as torchtitan keeps them), applied
 by the family's plan first, before tensor parallel, checkpointing, compile and FSDP (torchtitan's order).
 
+- Which linears: `float8_filter: auto` (the default) converts those that torchao's filter for the recipe says
+  gain (`_auto_filter_for_recipe`, thresholds measured on H100s: tensorwise keeps a linear of K <= 4096 inputs
+  and N <= 1024 outputs in the high precision, rowwise any of N <= 2048 or K <= 1024), as torchtitan's
+  `auto_filter_small_kn` does: the cast of a small matmul costs more than float8 saves (Llama-3.2-1B's k/v
+  projections, 2048 -> 512). `all` converts every block linear (the CPU parity tests, whose models are tiny).
+  A model too small to gain is said in one line (`float8_note`) rather than quietly slowed.
+
 - On a GPU of compute capability >= 8.9 (Ada, Hopper and later) the matmuls run in float8 (`torch._scaled_mm`);
   on CPU torchao emulates them (`Float8LinearConfig(emulate=True)`: the same float8 rounding, computed in the
   high precision). An older GPU is refused in one line before work.
@@ -21,13 +28,17 @@ No Lightning here; torchao is imported only when float8 is on.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from torch import nn
 
 from parallama.errors import ConfigError
+from parallama.parallel.options import FLOAT8_FILTERS as FILTERS
 from parallama.parallel.options import FLOAT8_RECIPES as RECIPES
 
 ALIGN = 16
+GAINS_FROM_HIDDEN = 2048  # below it float8 lost on one H100 (the 180M: 0.58x tensorwise; docs/benchmarks.md)
+log = logging.getLogger("parallama")
 
 
 def _float8_linears(model: nn.Module):
@@ -38,9 +49,43 @@ def _float8_linears(model: nn.Module):
                 yield f"layers.{key}.{name}", module
 
 
-def check_dimensions(model: nn.Module, recipe: str) -> None:
-    """One line naming the first block linear whose shape is not a multiple of 16 on both sides."""
-    for name, linear in _float8_linears(model):
+def converted_linears(model: nn.Module, recipe: str, filter: str = "auto") -> list[tuple[str, nn.Linear]]:
+    """(name, linear) of the block linears `apply_float8` converts: all, or those torchao's filter for the
+    recipe keeps (`auto`)."""
+    if filter not in FILTERS:
+        raise ValueError(f"float8_filter={filter!r}")
+    linears = list(_float8_linears(model))
+    if filter == "all":
+        return linears
+    from torchao.float8 import _auto_filter_for_recipe  # in torchao.float8's __all__, as torchtitan uses it
+
+    gains = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    return [(name, linear) for name, linear in linears if gains(linear, name)]
+
+
+def float8_note(model: nn.Module, recipe: str, filter: str, hidden_size: int) -> str | None:
+    """One line where float8 cannot speed this model up: too small a width, or no linear the filter keeps."""
+    converted, total = len(converted_linears(model, recipe, filter)), len(list(_float8_linears(model)))
+    if filter == "all" and hidden_size >= GAINS_FROM_HIDDEN:
+        return None
+    if filter == "auto" and converted == 0:
+        return (
+            f"float8={recipe}: torchao's filter keeps none of the {total} block linears (all too small to gain), so "
+            "float8 changes nothing here; use float8=null, or float8_filter=all to convert them anyway"
+        )
+    if hidden_size < GAINS_FROM_HIDDEN:
+        return (
+            f"float8={recipe}: model.hidden_size={hidden_size} < {GAINS_FROM_HIDDEN} is too small for float8 to gain "
+            f"(the 180M ran 0.58x bf16's tokens/s on an H100); {converted} of {total} block linears converted "
+            f"(float8_filter={filter}); float8=null is likely faster"
+        )
+    return None
+
+
+def check_dimensions(model: nn.Module, recipe: str, filter: str = "all") -> None:
+    """One line naming the first converted block linear whose shape is not a multiple of 16 on both sides
+    (torchao's filter already skips those)."""
+    for name, linear in converted_linears(model, recipe, filter):
         if linear.in_features % ALIGN or linear.out_features % ALIGN:
             raise ConfigError(
                 f"float8={recipe}: {name} is {linear.in_features} -> {linear.out_features}, float8 matmuls need "
@@ -49,8 +94,11 @@ def check_dimensions(model: nn.Module, recipe: str) -> None:
             )
 
 
-def apply_float8(model: nn.Module, recipe: str, *, emulate: bool, fsdp_all_gather: bool = False) -> None:
-    """Convert the blocks' linears to torchao's Float8Linear, in place (parameter names unchanged).
+def apply_float8(
+    model: nn.Module, recipe: str, *, emulate: bool, fsdp_all_gather: bool = False, filter: str = "auto"
+) -> None:
+    """Convert the blocks' linears (`converted_linears`: all, or those torchao's filter keeps) to torchao's
+    Float8Linear, in place (parameter names unchanged).
 
     `recipe`: tensorwise (one scale per tensor) or rowwise (one per row: more accurate, slower). `emulate`: on
     CPU (no float8 matmul). `fsdp_all_gather`: tensorwise only, FSDP2 gathers the weights in float8."""
@@ -58,13 +106,13 @@ def apply_float8(model: nn.Module, recipe: str, *, emulate: bool, fsdp_all_gathe
 
     if recipe not in RECIPES:
         raise ValueError(f"float8={recipe!r}")
-    check_dimensions(model, recipe)
+    check_dimensions(model, recipe, filter)
     config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(recipe),
         emulate=emulate,
         enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise",
     )
-    blocks = {id(linear) for _, linear in _float8_linears(model)}
+    blocks = {id(linear) for _, linear in converted_linears(model, recipe, filter)}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: id(m) in blocks)
 
 
@@ -132,8 +180,11 @@ def _wrapped(t) -> bool:
     return type(t).__module__.startswith("torchao.float8")
 
 
-def check_float8(recipe: str | None, *, on_gpu: bool, model_fields: dict | None = None) -> None:
-    """Before work: a GPU that can compute in float8 (SM 8.9+), and block linears of aligned sizes."""
+def check_float8(
+    recipe: str | None, *, on_gpu: bool, model_fields: dict | None = None, filter: str = "auto"
+) -> None:
+    """Before work: a GPU that can compute in float8 (SM 8.9+), block linears of aligned sizes, and one line
+    (`float8_note`) where the model is too small to gain."""
     if recipe is None:
         return
     if on_gpu:
@@ -152,5 +203,8 @@ def check_float8(recipe: str | None, *, on_gpu: bool, model_fields: dict | None 
 
         spec = model_spec(model_fields)
         with torch.device("meta"):
-            model = spec.model(spec.build_config(model_fields))
-        check_dimensions(model, recipe)
+            config = spec.build_config(model_fields)
+            model = spec.model(config)
+        check_dimensions(model, recipe, filter)
+        if note := float8_note(model, recipe, filter, config.hidden_size):
+            log.warning(note)

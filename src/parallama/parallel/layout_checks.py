@@ -29,7 +29,7 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
-    if dims.tp > 1 and cfg.compile and not on_gpu:
+    if dims.tp > 1 and cfg.compile is True and not on_gpu:  # `auto` is off on CPU
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
             "the loss after one step differs from eager's by 2e-2); use compile=false on CPU"

@@ -9,6 +9,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from torch.profiler import record_function
 from torchmetrics import MeanMetric, Metric
 
 from parallama.checkpoint.formats import INFO_KEY
@@ -19,6 +20,7 @@ from parallama.models import model_spec
 from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
+from parallama.parallel.options import compile_enabled
 from parallama.training import syncs
 from parallama.training.loss import fuses
 from parallama.training.muon import mark_hidden_matrices
@@ -46,7 +48,7 @@ class CausalLM(L.LightningModule):
         optimizer: dict,
         scheduler: dict,
         loss: dict | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         activation_checkpointing: bool = False,
         init_from: str | None = None,
     ) -> None:
@@ -66,6 +68,7 @@ class CausalLM(L.LightningModule):
         self.context_parallel = (
             ContextParallelStep()
         )  # the ring-attention context of a step, open until backward
+        self.compiled_loss = None  # `loss_fn` under torch.compile, where `compile` is on (configure_model)
 
     @property
     def parallelism(self) -> Parallelism:
@@ -93,12 +96,18 @@ class CausalLM(L.LightningModule):
             strategy.load_pretrained(
                 model, partial(self.spec.hf.load_hf_weights, path=self.hparams.init_from)
             )
+        compiled = compile_enabled(self.hparams.compile, strategy.root_device.type)
         self.model = strategy.parallelize(
             model,
             self.spec.parallelize,
-            compile=self.hparams.compile,
+            compile=compiled,
             activation_checkpointing=self.hparams.activation_checkpointing,
         )
+        # The loss too: compiled, the logits' fp32 cast, log-softmax and their backward are two passes over the
+        # (tokens, vocab) logits instead of six (at vocab 128256, 2.1 GB of bf16 logits a step on the 1B). Not
+        # under tensor parallel, whose loss runs on vocab-sharded DTensors inside `loss_parallel`.
+        if compiled and strategy.dims.tp == 1:
+            self.compiled_loss = torch.compile(self.loss_fn)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **documents
@@ -111,15 +120,17 @@ class CausalLM(L.LightningModule):
         labelled tokens."""
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         inputs = (batch["input_ids"], batch.get("attention_mask"))
+        # "parallama.loss": the range a profile names (bench train-gpu: where a step's time goes)
         if fuses(self.loss_fn):  # loss.impl=fused: the head's matmul inside the loss, chunk by chunk
             hidden = self.model(*inputs, hidden_states=True, **documents)
-            loss = self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
-        else:
-            logits = self.model(*inputs, **documents)
-            if not torch.is_grad_enabled():
-                self.on_validation_logits(logits, batch["labels"])
-            loss = self.loss_fn(logits, batch["labels"])
-        return loss
+            with record_function("parallama.loss"):
+                return self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
+        logits = self.model(*inputs, **documents)
+        if not torch.is_grad_enabled():
+            self.on_validation_logits(logits, batch["labels"])
+        training = torch.is_grad_enabled() and self.compiled_loss is not None
+        with record_function("parallama.loss"):
+            return (self.compiled_loss if training else self.loss_fn)(logits, batch["labels"])
 
     def auxiliary_loss(self) -> torch.Tensor | float:
         """The model's own training losses of its last forward (a mixture of experts' router losses:
@@ -226,10 +237,11 @@ class CausalLM(L.LightningModule):
         if not gradient_clip_val:
             return
         strategy = self.trainer.strategy
-        if isinstance(strategy, Parallelism):
-            strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
-        else:
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        with record_function("parallama.clip_gradients"):
+            if isinstance(strategy, Parallelism):
+                strategy.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+            else:
+                self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def replica_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of `loss` over the data-parallel replicas: every rank of one replica (its tensor, context and

@@ -114,7 +114,7 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     if cfg.get("float8") is not None:  # the blocks' linears in float8 (parallel/float8.py), through the plan
         from parallama.training.callbacks import Float8Scales
 
-        strategy.float8 = cfg.float8
+        strategy.float8, strategy.float8_filter = cfg.float8, cfg.float8_filter
         callbacks = [*callbacks, Float8Scales()]
     processes = processes_per_node(cfg.trainer.devices, cfg.trainer.accelerator)
     if isinstance(strategy, Parallelism) and strategy.reruns_the_command and needs_launch(processes):

@@ -42,6 +42,7 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
             model,
             options.float8.recipe,
             emulate=options.float8.emulate,
+            filter=options.float8.filter,
             fsdp_all_gather=options.fsdp is not None and options.dims.dp_shard * options.dims.cp > 1,
         )
     if options.dims.tp > 1:

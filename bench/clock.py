@@ -1,0 +1,123 @@
+"""The timer `python -m bench train-gpu` adds to each `parallama-train` run it times (`+callbacks.bench_clock`):
+tokens/s in windows of whole optimizer steps after a warm-up, the peak memory from the end of the warm-up, and a
+profile of the step after the last window (where the step's time goes). Written as JSON to `path` after every
+window, so an arm cut short keeps what it measured.
+
+Windows are counted in micro-batches and closed at an optimizer step's end, so `trainer.accumulate_grad_batches`
+arms are timed in whole steps (their optimizer is in the window). Only the window ends synchronize with the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+# Kernel names, by what they compute: a profile's device time split into these (the rest is "other").
+KERNELS = {
+    "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
+    "matmul": ("gemm", "nvjet", "cutlass", "xmma", "matmul", "scaled_mm", "sm90_"),
+}
+RANGES = ("parallama.loss", "parallama.clip_gradients", "Optimizer.step")  # record_function names
+
+
+class Clock(L.Callback):
+    """`warmup` micro-batches untimed (compilation, the optimizer's first steps: at least 2 optimizer steps), then
+    `windows` windows of at least `steps` micro-batches each, then `profile` optimizer steps under torch's
+    profiler; then the run is asked to stop."""
+
+    def __init__(self, path: str, warmup: int, steps: int, windows: int = 3, profile: int = 0) -> None:
+        self.path, self.warmup, self.steps, self.windows, self.profile = path, warmup, steps, windows, profile
+        self.batches, self.optimizer_steps, self.last_step = 0, 0, 0
+        self.phase, self.t0, self.tokens, self.window_batches = "warmup", 0.0, 0, 0
+        self.result: dict = {"rates": [], "peak_bytes": 0}
+        self.profiler = None
+
+    def _sync(self, trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.phase == "profile" and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if trainer.strategy.root_device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.profiled_from = self.optimizer_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        if self.phase == "timing":
+            self.tokens += batch["input_ids"].numel()
+            self.window_batches += 1
+        stepped = trainer.global_step != self.last_step  # an optimizer step ended with this micro-batch
+        self.last_step = trainer.global_step
+        if not stepped:
+            return
+        self.optimizer_steps += 1
+        if self.phase == "warmup" and self.batches >= self.warmup and self.optimizer_steps >= 2:
+            self._sync(trainer)
+            if torch.cuda.is_available():  # every arm's peak from the same point: the end of its warm-up
+                torch.cuda.reset_peak_memory_stats()
+            self._start_window()
+        elif self.phase == "timing" and self.window_batches >= self.steps:
+            self._sync(trainer)
+            self.result["rates"].append(self.tokens / (time.perf_counter() - self.t0))
+            self.result["peak_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+            if len(self.result["rates"]) < self.windows:
+                self._start_window()
+            else:
+                self.phase = "profile" if self.profile else "done"
+            self._write(trainer)
+        elif self.phase == "profile" and self.optimizer_steps - self.profiled_from >= self.profile:
+            self._sync(trainer)
+            self.profiler.__exit__(None, None, None)
+            self.result["profile"] = summary(self.profiler, self.profile)
+            self.phase = "done"
+            self._write(trainer)
+        if self.phase == "done":
+            trainer.should_stop = True
+
+    def _start_window(self) -> None:
+        self.phase, self.tokens, self.window_batches = "timing", 0, 0
+        self.t0 = time.perf_counter()
+
+    def _write(self, trainer) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.result))
+
+
+def summary(profiler, steps: int) -> dict:
+    """Where a step's time goes, per optimizer step: device (else CPU) milliseconds of the GPU kernels by kind
+    (`KERNELS`; none on a CPU), of the named ranges (`RANGES`: the loss, clipping, the optimizer), and the 15 costliest ops."""
+    events = profiler.key_averages()
+    on_device = any(getattr(e, "self_device_time_total", 0) for e in events)
+
+    def self_ms(e) -> float:
+        return (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e3 / steps
+
+    def total_ms(e) -> float:
+        return (e.device_time_total if on_device else e.cpu_time_total) / 1e3 / steps
+
+    kinds = dict.fromkeys([*KERNELS, "other"], 0.0) if on_device else {}  # kernels run on a device only
+    for e in events if on_device else []:
+        name = e.key.lower()
+        kinds[next((k for k, words in KERNELS.items() if any(w in name for w in words)), "other")] += self_ms(
+            e
+        )
+    ranges = {
+        r: round(sum(total_ms(e) for e in events if e.key.startswith(r)), 3)
+        for r in RANGES
+        if any(e.key.startswith(r) for e in events)
+    }
+    top = sorted(events, key=self_ms, reverse=True)[:15]
+    return {
+        "clock": "device" if on_device else "cpu",
+        "ms_per_step_by_kind": {k: round(v, 3) for k, v in kinds.items()},
+        "ms_per_step_in_ranges": ranges,
+        "top_ops": [{"name": e.key[:120], "calls": e.count, "self_ms": round(self_ms(e), 3)} for e in top],
+    }

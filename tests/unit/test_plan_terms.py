@@ -118,3 +118,23 @@ def test_tensorwise_float8_gathers_the_blocks_weights_in_one_byte():
     bf16, fp8 = estimate(c, **SHAPE), estimate(c, **SHAPE, float8="tensorwise")
     assert bf16["fsdp"].gathered - fp8["fsdp"].gathered == 2 * matmuls
     assert bf16["ddp"] == fp8["ddp"]  # nothing gathered: the same
+
+
+def test_float8_gathers_in_one_byte_only_the_linears_its_filter_converts():
+    """float8_filter=auto keeps Llama-3.2-1B's k/v projections (2048 -> 512) in bf16 (torchao's tensorwise
+    filter): they are gathered in 2 bytes, the other block matmuls in 1; `all` gathers every one in 1."""
+    from parallama.parallel.float8 import converted_share
+
+    c = LLAMA_1B
+    fields = {
+        "family": "llama",
+        **{k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size")},
+    }
+    fields.update(num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)
+    kv = 2 * c.hidden_size * 512
+    assert converted_share(fields, "tensorwise", "all") == 1.0
+    assert converted_share(fields, "tensorwise", "auto") == pytest.approx(1 - kv / c.block_params()[0])
+    base = ["model=llama3_2_1b", "trainer.devices=8", "strategy=fsdp", "float8=tensorwise"]
+    auto, every = (plan(compose(o), 80, o) for o in (base, [*base, "float8_filter=all"]))
+    gathered = {name: run["estimates"]["fsdp"]["gathered"] for name, run in (("auto", auto), ("all", every))}
+    assert gathered["auto"] - gathered["all"] == 2 * kv  # two blocks gathered at once, k and v in 2 bytes

@@ -16,6 +16,7 @@ from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node
+from parallama.parallel.float8 import converted_share
 from parallama.parallel.layouts import Layout, estimate_layout, search
 from parallama.parallel.options import ACOptions, stages_per_rank
 from parallama.parallel.plan import (
@@ -72,8 +73,10 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     def how(c):
         return selective if c == "selective" else c
 
+    float8 = cfg.get("float8")
     terms = dict(
-        float8=cfg.get("float8"),  # tensorwise: FSDP2 gathers the blocks' weights in float8 (float8_gathered)
+        float8=float8,  # tensorwise: FSDP2 gathers the blocks' converted weights in float8 (float8_gathered)
+        float8_share=converted_share(model, float8, cfg.get("float8_filter", "auto")) if float8 else 1.0,
         optimizer=optimizer_of(cfg.optimizer.get("_target_", "")),  # muon: one buffer (optimizer_state_bytes)
         loss_impl=OmegaConf.select(cfg, "loss.impl", default="plain"),  # fused: no logits kept (loss_bytes)
     )

@@ -63,6 +63,22 @@ def converted_linears(model: nn.Module, recipe: str, filter: str = "auto") -> li
     return [(name, linear) for name, linear in linears if gains(linear, name)]
 
 
+def converted_share(model_fields: dict, recipe: str, filter: str) -> float:
+    """The share of the blocks' matmul parameters that float8 converts (parallama-plan: the weights FSDP2 gathers
+    in float8), from the model built on the meta device: a filter's choice, and a mixture's experts (not
+    `nn.Linear`s), are what it keeps in the high precision."""
+    import torch
+
+    from parallama.models import model_spec
+
+    spec = model_spec(model_fields)
+    with torch.device("meta"):
+        config = spec.build_config(model_fields)
+        model = spec.model(config)
+    converted = sum(linear.weight.numel() for _, linear in converted_linears(model, recipe, filter))
+    return converted / (config.num_hidden_layers * config.block_params()[0])
+
+
 def float8_note(model: nn.Module, recipe: str, filter: str, hidden_size: int) -> str | None:
     """One line where float8 cannot speed this model up: too small a width, or no linear the filter keeps."""
     converted, total = len(converted_linears(model, recipe, filter)), len(list(_float8_linears(model)))

@@ -127,6 +127,7 @@ def estimate_layout(
     precision: str,
     activation_checkpointing,
     float8: str | None = None,
+    float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
 ) -> Estimate:
@@ -151,7 +152,7 @@ def estimate_layout(
     if (
         shard > 1 and float8 == "tensorwise"
     ):  # the blocks' matmul weights gathered in float8 (plan.float8_gathered)
-        gathered -= gathered_layers * matmuls * ((per[3] or per[0]) - 1)
+        gathered -= int(gathered_layers * matmuls * float8_share) * ((per[3] or per[0]) - 1)
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
     kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel, loss_impl=loss_impl)
@@ -242,12 +243,14 @@ def search(
     gpu_memory_gb: float,
     checkpointing: tuple[bool, ...] = (False, True),
     float8: str | None = None,
+    float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
 ) -> tuple[Layout, bool, dict[bool, Estimate]] | tuple[None, None, dict]:
     """The first layout (and activation checkpointing, off before on) that fits, with its estimates for each
     `checkpointing`; else (None, None, {}) and nothing fits."""
     shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, float8=float8)
+    shape.update(float8_share=float8_share)
     shape.update(optimizer=optimizer, loss_impl=loss_impl)
     for layout in candidates(
         c, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len, micro_batch=micro_batch

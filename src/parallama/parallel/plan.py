@@ -243,17 +243,20 @@ def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, 
     return tokens * (saved + buffers)
 
 
-def float8_gathered(c, how: str, e: int, float8: str | None, blocks: int | None = None) -> int:
-    """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' matmul weights
-    are all-gathered in float8 (1 byte, not `e`); rowwise gathers them in the high precision (0 saved). The
-    saved activations are unchanged: torchao's Float8Linear keeps its input and weight for backward in the high
-    precision and casts them again. `blocks`: how many are gathered (default: `how`'s, all or 2)."""
+def float8_gathered(
+    c, how: str, e: int, float8: str | None, blocks: int | None = None, float8_share: float = 1.0
+) -> int:
+    """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' converted matmul
+    weights (`float8_share` of them: parallel/float8.py `converted_share`) are all-gathered in float8 (1 byte, not
+    `e`); rowwise gathers them in the high precision (0 saved). The saved activations are unchanged: torchao's
+    Float8Linear keeps its input and weight for backward in the high precision and casts them again. `blocks`: how
+    many are gathered (default: `how`'s, all or 2)."""
     if float8 != "tensorwise":
         return 0
     matmuls, _ = c.block_params()
     if blocks is None:
         blocks = c.num_hidden_layers if how == "all" else min(2, c.num_hidden_layers)
-    return blocks * matmuls * (e - 1)
+    return int(blocks * matmuls * float8_share) * (e - 1)
 
 
 def _gathered_params(c, how: str) -> int:
@@ -274,6 +277,7 @@ def estimate(
     activation_checkpointing,
     strategies: dict[str, MemoryProfile] | None = None,
     float8: str | None = None,
+    float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
 ) -> dict[str, Estimate]:
@@ -296,7 +300,9 @@ def estimate(
         else:
             gathered = _gathered_params(config, s.gathered) * (per[3] or per[0])
             if s.engine == "fsdp" and n > 1:
-                gathered -= float8_gathered(config, s.gathered, per[3] or per[0], float8)
+                gathered -= float8_gathered(
+                    config, s.gathered, per[3] or per[0], float8, float8_share=float8_share
+                )
         e = 4 if precision in FP32 else 2
         e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
         acts = activation_bytes(

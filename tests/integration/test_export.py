@@ -1,5 +1,6 @@
 """Checkpoints <-> Hugging Face folders: exact logits both ways, tokenizer files, init_from, one-line errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from parallama.checkpoint.read import load_checkpoint, load_state_into
 from parallama.cli.export import main as export_main
@@ -86,6 +88,33 @@ def test_export_loads_in_transformers(tmp_path, tie):
     assert hf_tok(text)["input_ids"] == [hf_tok.bos_token_id, *tok.encode(text).ids]
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
     assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("[BOT]", "[EOT]", "[PAD]")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_of_a_padded_head_writes_the_true_vocabulary(tmp_path, tie):
+    """A vocabulary of 300, whose head's matmul runs padded to 320 in training (Llama.logits): the folder holds
+    300 rows and says vocab_size=300 (no parallama key), transformers gives the logits of the padded computation,
+    and init_from reads it back into a model of any padding."""
+    shape = {**SHAPE, "vocab_size": 300}
+    torch.manual_seed(0)
+    ours = Llama(LlamaConfig(**shape, tie_word_embeddings=tie))
+    save_hf_folder(tmp_path, ours.state_dict(), ours.config, byte_level().to_str())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vocab_size"] == 300 and "pad_vocab_multiple" not in config
+    rows = {
+        k: v.shape[0]
+        for k, v in load_file(tmp_path / "model.safetensors").items()
+        if "embed" in k or "head" in k
+    }
+    assert rows == {"model.embed_tokens.weight": 300, **({} if tie else {"lm_head.weight": 300})}
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 300, (2, 24))
+    padded = ours(ids)  # gradients on: the padded matmul
+    assert padded.shape == (2, 24, 300)
+    torch.testing.assert_close(logits(theirs, ids), padded.detach(), atol=1e-5, rtol=0)
+    unpadded = Llama(LlamaConfig(**shape, tie_word_embeddings=tie, pad_vocab_multiple=1))
+    load_hf_weights(unpadded, tmp_path)
+    torch.testing.assert_close(logits(unpadded, ids), padded.detach(), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

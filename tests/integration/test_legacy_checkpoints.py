@@ -1,8 +1,10 @@
 """Checkpoints written before the package was reshaped by concept still resume, exactly.
 
 tests/legacy/<format>/ holds what the code of tests/legacy/make_checkpoints.py's LEGACY_COMMIT wrote (a single
-file, an FSDP DCP folder, a DeepSpeed ZeRO-2 folder) and how that old code continued it: the new code must
-continue each one to the same weights, the same loss at every step and the same tokens seen.
+file, an FSDP DCP folder, a DeepSpeed ZeRO-2 folder, and a single file of a vocabulary of 300, from before the
+head's matmul was padded to 320) and how that old code continued it: the new code must continue each one to the
+same weights, the same loss at every step (and validation loss, where it was recorded) and the same tokens seen,
+and export the true vocabulary.
 
 Bit for bit only on a machine like the one that wrote them: CPU kernels round differently across instruction
 sets (on an AVX-512 EPYC the continuation differs from the stored one by 1-2 float32 ulps, 3.7e-9 to 7.5e-9 on
@@ -36,6 +38,7 @@ ATOL = 1e-7
     "name",
     [
         "file",
+        "vocab300",
         pytest.param("fsdp", marks=pytest.mark.multiprocess),
         pytest.param("deepspeed", marks=pytest.mark.multiprocess),
     ],
@@ -65,10 +68,16 @@ def test_a_pre_reshape_checkpoint_resumes_exactly(name, tmp_path, data_cache):
     assert actual.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=ATOL, msg=key)
+    vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    assert vocab == expected["lm_head.weight"].shape[0]
     with open(run_dir / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+        every = list(csv.DictReader(f))
+    rows = [r for r in every if r.get("train/loss")]
     if "trainer.devices=1" in reference["overrides"]:
         # The references number a step's loss as metrics.csv did then: by the steps before it (today: after it).
         losses = {str(int(r["step"]) - 1): float(r["train/loss"]) for r in rows}
         assert losses == pytest.approx(reference["train_loss"], rel=0, abs=1e-6)
+    if "val_loss" in reference:  # recorded since the vocab300 checkpoint; steps numbered as train_loss's
+        val = {str(int(r["step"]) - 1): float(r["val/loss"]) for r in every if r.get("val/loss")}
+        assert val == pytest.approx(reference["val_loss"], rel=0, abs=1e-6)
     assert float(rows[-1]["train/tokens_seen"]) == reference["tokens_seen"]

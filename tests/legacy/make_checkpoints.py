@@ -1,11 +1,12 @@
 """Write the checkpoints that tests/integration/test_legacy_checkpoints.py resumes with today's code.
 
 They come from the code of LEGACY_COMMIT, the last commit before the package was reshaped by concept (issue 19):
-a single file (one process), an FSDP DCP folder (2 ranks) and a DeepSpeed ZeRO-2 folder (2 ranks). For each, the
-old code also resumes its own checkpoint for two more steps: the weights, per-step losses and tokens seen of
-that old resume are what the new code's resume must reproduce exactly.
+a single file (one process), an FSDP DCP folder (2 ranks), a DeepSpeed ZeRO-2 folder (2 ranks) and a single file
+of a vocabulary of 300 (the head's matmul is padded to 320 today). For each, the old code also resumes its own
+checkpoint for two more steps: the weights, per-step losses (and, since vocab300, validation losses) and tokens
+seen of that old resume are what the new code's resume must reproduce exactly.
 
-    .venv/bin/python tests/legacy/make_checkpoints.py      # rewrites tests/legacy/<format>/
+    .venv/bin/python tests/legacy/make_checkpoints.py [format ...]     # rewrites tests/legacy/<format>/ (all)
 
 The old package runs from a `git archive` of LEGACY_COMMIT on PYTHONPATH, in this venv (its pins are the same).
 """
@@ -44,10 +45,12 @@ RUN = [
     "seed=7",
 ]
 WRITTEN_AT, RESUMED_TO = 2, 4
-FORMATS = {  # folder: the strategy overrides of the run that writes it
+FORMATS = {  # folder: the overrides (strategy, ...) of the run that writes it
     "file": ["strategy=auto", "trainer.devices=1"],
     "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "deepspeed": ["strategy=deepspeed", "strategy.stage=2", "trainer.devices=2"],
+    # A vocabulary that is not a multiple of 64, from before the head's matmul was padded (Llama.logits)
+    "vocab300": ["strategy=auto", "trainer.devices=1", "model.vocab_size=300"],
 }
 
 
@@ -64,16 +67,18 @@ def run(module: str, *args: str, cwd: Path, pythonpath: Path | None) -> None:
 
 
 def losses_and_tokens(metrics: Path) -> dict:
-    """Per-step train/loss and the last train/tokens_seen of a CSV log, as the test reads them too."""
+    """Per-step train/loss and val/loss and the last train/tokens_seen of a CSV log, as the test reads them."""
     with open(metrics) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+        rows = list(csv.DictReader(f))
+    train = [r for r in rows if r.get("train/loss")]
     return {
-        "train_loss": {r["step"]: float(r["train/loss"]) for r in rows},
-        "tokens_seen": float(rows[-1]["train/tokens_seen"]),
+        "train_loss": {r["step"]: float(r["train/loss"]) for r in train},
+        "val_loss": {r["step"]: float(r["val/loss"]) for r in rows if r.get("val/loss")},
+        "tokens_seen": float(train[-1]["train/tokens_seen"]),
     }
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         archive = subprocess.run(
@@ -81,7 +86,8 @@ def main() -> None:
         ).stdout
         tarfile.open(fileobj=BytesIO(archive)).extractall(tmp / "old", filter="data")
         old_src, cache = tmp / "old" / "src", tmp / "cache"
-        for name, strategy in FORMATS.items():
+        for name in names or FORMATS:
+            strategy = FORMATS[name]
             out = HERE / name
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
@@ -128,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

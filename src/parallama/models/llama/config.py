@@ -35,9 +35,9 @@ class LlamaConfig:
         "mlp.down_proj",
     )
 
-    training_fields = (
-        "initializer_range",
-    )  # fields that change training only: init_from does not compare them
+    # Fields that change training only, not the model a checkpoint holds: init_from does not compare them
+    training_fields = ("initializer_range", "pad_vocab_multiple")
+    own_fields = ("pad_vocab_multiple",)  # parallama's, not Hugging Face's: config.json does not get them
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -51,6 +51,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    # The head's matmul runs on a vocabulary padded to a multiple of this (1: as it is); what anyone sees, the
+    # logits, the checkpoints and the HF folders, keeps vocab_size (model.py `Llama.logits`)
+    pad_vocab_multiple: int = 64
 
     def __post_init__(self):
         """Fail at config time, naming the Hydra key to fix, not deep inside a forward pass."""
@@ -94,7 +97,8 @@ class LlamaConfig:
 
     def to_hf_dict(self) -> dict:
         """Fields for a HF ``config.json``; callers add bos/eos token ids."""
-        d = {k: v for k, v in asdict(self).items() if v is not None}  # rope_scaling=None: default rope
+        # Not None (rope_scaling=None: default rope), not parallama's own
+        d = {k: v for k, v in asdict(self).items() if v is not None and k not in self.own_fields}
         hf = dict(architectures=[self.hf_architecture], model_type=self.hf_model_type, hidden_act="silu")
         return {**hf, "attention_bias": False, "mlp_bias": False, "head_dim": self.head_dim, **d}
 

@@ -169,7 +169,7 @@ class DecoderLayer(nn.Module):
 
 class Llama(nn.Module):
     """The decoder: embedding, `num_hidden_layers` blocks of `decoder_layer` (a family replaces it by
-    subclassing), final norm, head."""
+    subclassing), final norm, head (its vocabulary padded inside the matmul in training: `logits`)."""
 
     decoder_layer: type[nn.Module] = DecoderLayer
     # The model contract's ends (models/contract.py): what a first / last pipeline stage holds, what every one does
@@ -273,11 +273,46 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache[i], input_pos)
         h = self.norm(h) if self.norm is not None else h
-        return self.lm_head(h) if self.lm_head is not None and not hidden_states else h
+        return self.logits(h) if self.lm_head is not None and not hidden_states else h
 
     def head(self, hidden: Tensor, loss=None) -> Tensor:
         """The head on the final hidden states (``forward(..., hidden_states=True)``): the logits, or with
         ``loss`` (a function of the hidden states and the head module) what it returns: the fused loss computes the
-        head's matmul with the cross-entropy, chunk by chunk (training/loss.py). A method of its own, so that FSDP
-        runs it under its hooks (parallel/blocks.py)."""
-        return self.lm_head(hidden) if loss is None else loss(hidden, self.lm_head)
+        head's matmul with the cross-entropy, chunk by chunk (training/loss.py), on the head as it is (unpadded).
+        A method of its own, so that FSDP runs it under its hooks (parallel/blocks.py)."""
+        return self.logits(hidden) if loss is None else loss(hidden, self.lm_head)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The head's logits, (..., vocab_size) exactly. In training (gradients taken) the matmul runs on the
+        weight padded with zero rows to a multiple of ``config.pad_vocab_multiple`` (50000 leaves the GEMMs' last
+        tile partial, 50048 fills it), and the padded columns are cut off here: no loss, metric or sampler ever sees
+        them. Whether that pays on a GPU is the benchmark's to say (`model.pad_vocab_multiple=1` turns it off).
+
+        Padded in the computation, not in the parameter, so that nothing else has to know: ``lm_head.weight``
+        keeps its (vocab_size, hidden) shape in checkpoints (those written before the padding load as they are),
+        the optimizer, Hugging Face folders, tensor parallel and ZeRO-3; stored padded rows would change all of
+        them. The price, against the head's three GEMMs of a training step: one copy of the weight (under
+        autocast, of the compute-dtype cast the matmul makes anyway) and, in backward, the logits' gradient
+        written into a padded buffer (one pass over it, which torch.compile can fuse into the loss's backward).
+        Without gradients (validation, evaluation, generation's one-token steps, whose GEMM is bound by reading
+        the weight) the copy would cost more than it saves, and the head runs as it is, as it does where its
+        weight is not whole (a tensor-parallel DTensor, a ZeRO-3 partition), where it is not a plain
+        ``nn.Linear``, or where the vocabulary is a multiple already."""
+        weight = self.padded_head_weight()
+        if weight is None:
+            return self.lm_head(hidden)
+        # A view, not a copy (a pass over the logits): FSDP2 warns that its root returned one, harmless while no
+        # caller changes the logits in place
+        return F.linear(hidden, weight)[..., : self.lm_head.out_features]
+
+    def padded_head_weight(self) -> Tensor | None:
+        """``lm_head.weight`` with zero rows up to a multiple of ``config.pad_vocab_multiple``, in the dtype the
+        matmul computes in; None where the head runs as it is (see `logits`)."""
+        weight, vocab = self.lm_head.weight, self.lm_head.out_features
+        pad = -vocab % self.config.pad_vocab_multiple
+        whole = type(self.lm_head) is nn.Linear and type(weight) in (Tensor, nn.Parameter)
+        if not (pad and torch.is_grad_enabled() and whole and not hasattr(weight, "ds_id")):
+            return None
+        if torch.is_autocast_enabled(device := weight.device.type):
+            weight = weight.to(torch.get_autocast_dtype(device))
+        return F.pad(weight, (0, 0, 0, pad))

@@ -58,6 +58,8 @@ LEVERS = {  # arm -> overrides on top of the user's command
     "ac=selective": ["activation_checkpointing=selective"],
     "callbacks=none": ["callbacks=none"],
     "best": ["float8=tensorwise", "loss.impl=fused"],
+    "data.batch_size=8": ["data.batch_size=8"],
+    "pad_vocab_multiple=1": ["model.pad_vocab_multiple=1"],
     "accumulate=16": ["trainer.accumulate_grad_batches=16"],
     "optimizer=muon accumulate=16": ["optimizer=muon", "trainer.accumulate_grad_batches=16"],
 }
@@ -70,9 +72,9 @@ PLAN = {  # per model, in the order round 1 runs them
     "llama3_2_1b": [
         "default", "titan best", "loss.impl=fused", "float8=tensorwise", "best", "compile=false",
         "titan compile", "optimizer=muon accumulate=16", "accumulate=16", "float8=rowwise", "ac=selective",
-        "callbacks=none", "bare compile",
+        "callbacks=none", "data.batch_size=8", "bare compile",
     ],
-    "llama_180m": ["default", "compile=false", "loss.impl=fused", "float8=tensorwise"],
+    "llama_180m": ["default", "compile=false", "pad_vocab_multiple=1", "loss.impl=fused", "float8=tensorwise"],
     "llama3_8b_4l": ["default", "float8=tensorwise"],
     "tiny": ["default", "loss.impl=fused", "callbacks=none", "accumulate=16", "bare eager", "titan compile"],
 }  # fmt: skip
@@ -85,6 +87,8 @@ def shape(model: str) -> tuple[list[str], int, int]:
 def command(model: str, lever: list[str], args, run_dir: Path, out: Path, profile: int) -> list[str]:
     """The `parallama-train` command of one run of an arm (its Clock writes `out`)."""
     overrides, seq_len, batch = shape(model)
+    batch = next((int(o.split("=")[1]) for o in lever if o.startswith("data.batch_size=")), batch)
+    lever = [o for o in lever if not o.startswith("data.batch_size=")]
     accumulate = next((int(o.split("=")[1]) for o in lever if o.startswith("trainer.accumulate")), 1)
     optimizer_steps = max(2, -(-args.warmup // accumulate)) + args.windows * -(-args.steps // accumulate)
     line = [
@@ -242,6 +246,8 @@ RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
     "default callbacks' cost (1 - default / callbacks=none)": ("default", "callbacks=none"),
     "optimizer=muon / adamw, both accumulate=16": ("optimizer=muon accumulate=16", "accumulate=16"),
     "default / bare compile": ("default", "bare compile"),
+    "data.batch_size=8 / default": ("data.batch_size=8", "default"),
+    "default (vocabulary padded to 64) / pad_vocab_multiple=1": ("default", "pad_vocab_multiple=1"),
 }
 
 

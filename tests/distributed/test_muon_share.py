@@ -1,10 +1,11 @@
 """optimizer=muon shares its orthogonalizations (training/muon_share.py): on 4 ranks (gloo), each rank runs the
 Newton-Schulz iteration on its share of the matrices only, and every rank ends with the weights one process
 computes, under each layout a matrix can have: whole replicas (ddp), Shard(0) on one mesh dimension (fsdp, also
-with an empty shard), (Replicate, Shard(0)) (HSDP) and FSDP x TP's (Shard(0), Shard(0)) / (Shard(0), Shard(1)) on
-a 2 x 2 mesh. The counts are the matrices each rank's iteration received; whole matrices that are not replicas
-(ZeroRedundancyOptimizer's per-rank optimizers: `share_replicas=false`) are all orthogonalized by their rank.
-Every layout through parallama-train: tests/distributed/test_recipe.py."""
+with an empty shard), (Replicate, Shard(0)) (HSDP) and (Shard(0), Shard(0)) / (Shard(0), Shard(1)) on a 2 x 2
+mesh (FSDP x TP's shapes; FSDP2's own placements over TP train in test_recipe.py's fsdp_tp). The counts are the
+matrices each rank's iteration received; whole matrices that are not replicas (ZeroRedundancyOptimizer's per-rank
+optimizers: `share_replicas=false`) are all orthogonalized by their rank. Every layout through parallama-train:
+tests/distributed/test_recipe.py."""
 
 from __future__ import annotations
 

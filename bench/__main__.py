@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, loss, nd, overhead, step_path, train_gpu
+from bench import data, ddp_scaling, gpu, loss, nd, optim_step, overhead, step_path, train_gpu
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "step-path": step_path,
     "train-gpu": train_gpu,
     "loss": loss,
+    "optim-step": optim_step,
 }
 CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd", "loss")
 

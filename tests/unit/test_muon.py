@@ -1,11 +1,15 @@
 """optimizer=muon (training/muon.py): Muon for the matrices inside the model contract's blocks, AdamW for the rest,
 on the Llama and on Qwen3; one step of the combined optimizer is torch's Muon and AdamW run separately, bit for
-bit; its state dict round-trips through a checkpoint file. Every layout trains it as one process does:
-tests/distributed/test_recipe.py; resumed: tests/integration/test_muon_resume.py."""
+bit; its state dict round-trips through a checkpoint file. The batched Newton-Schulz iteration (newton_schulz.py)
+gives each matrix torch's one-by-one result; the shares of the matrices (muon_share.py) are even and balanced; the
+AdamW side is fused as optimizer.fused is. Each rank's share on 4 ranks: tests/distributed/test_muon_share.py;
+every layout trains it as one process does: tests/distributed/test_recipe.py; resumed:
+tests/integration/test_muon_resume.py; compiled: tests/integration/test_muon_compile.py."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,9 +17,12 @@ from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
+from parallama.training import newton_schulz
 from parallama.training.module import CausalLM
 from parallama.training.muon import MuonAdamW, mark_hidden_matrices
-from parallama.training.optim import optimizer_factory
+from parallama.training.muon_share import shares
+from parallama.training.newton_schulz import iteration_flops, orthogonalize
+from parallama.training.optim import check_optimizer, optimizer_factory, with_fused_default
 
 MUON = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "optimizer" / "muon.yaml"))
 SCHEDULER = {"_target_": "parallama.training.schedules.Constant"}
@@ -145,3 +152,93 @@ def test_the_state_of_another_optimizer_is_refused_in_one_line():
     muon = optimizer_factory(MUON)(mark_hidden_matrices(lm.param_groups(), lm.model))
     with pytest.raises(ConfigError, match="^the checkpoint's optimizer state is not optimizer=muon's"):
         muon.load_state_dict(adamw.state_dict())
+
+
+COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
+# Llama's shapes in small: q/o, k/v, gate/up (tall: taken as their transpose) and down (wide), and a square one
+SHAPES = [(16, 16), (16, 16), (4, 16), (4, 16), (64, 16), (64, 16), (16, 64), (8, 8)]
+
+
+def one_by_one(update, dtype):
+    """torch.optim.Muon's `_zeropower_via_newtonschulz` (torch/optim/_muon.py) on one matrix, in `dtype`."""
+    a, b, c = COEFFICIENTS
+    x = update.to(dtype)
+    if update.size(0) > update.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=EPS))
+    for _ in range(STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if update.size(0) > update.size(1) else x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_gives_each_matrix_its_one_by_one_result(dtype, monkeypatch):
+    """Same-shape matrices (tall ones transposed) go through one batch, each normalized by its own norm (one is
+    1000x the others: a shared norm would shrink them): the results are torch's per matrix, to fp32's rounding;
+    in bf16, torch's own function's (its bf16 GEMMs one matrix at a time)."""
+    generator = torch.Generator().manual_seed(0)
+    updates = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    updates[1] = updates[1] * 1000
+    batches = []
+    iterate = newton_schulz.newton_schulz
+    monkeypatch.setattr(
+        newton_schulz, "newton_schulz", lambda x, *a: batches.append(x.shape) or iterate(x, *a)
+    )
+    results = orthogonalize(updates, COEFFICIENTS, STEPS, EPS, dtype)
+    assert sorted(batches) == [(1, 8, 8), (2, 4, 16), (2, 16, 16), (3, 16, 64)]
+    torchs = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)
+    for update, result in zip(updates, results):
+        assert result.shape == update.shape and result.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(result, one_by_one(update, dtype), rtol=0, atol=1e-6)
+        else:
+            expected = torchs(update, COEFFICIENTS, STEPS, EPS) if torchs else one_by_one(update, dtype)
+            torch.testing.assert_close(result.float(), expected.float(), rtol=0, atol=1e-2)
+
+
+def test_shares_split_each_set_evenly_and_balance_the_rest():
+    costs = [iteration_flops(16, 64, STEPS), iteration_flops(16, 16, STEPS), iteration_flops(4, 16, STEPS)]
+    for counts, world in (([48, 32, 32], 8), ([3, 2, 2], 4), ([1, 1, 1], 2), ([0, 5, 1], 3)):
+        split = shares(counts, costs, world)
+        assert [sum(s) for s in split] == counts
+        assert all(max(s) - min(s) <= 1 for s in split)  # even within a set
+        load = [sum(s[r] * c for s, c in zip(split, costs)) for r in range(world)]
+        biggest = max(c for c, n in zip(costs, counts) if n)
+        assert max(load) - min(load) <= biggest  # the remainders go to the ranks with least work
+        assert shares(counts, costs, world) == split  # every rank computes the same
+    assert shares([3, 1], [10, 10], 2) == [[2, 1], [0, 1]]
+
+
+def test_the_adamw_side_is_fused_as_optimizer_fused_is():
+    """`adamw_fused: null` is resolved as AdamW's `fused: null` (on a GPU, unless fp16's loss scaler), and a
+    fused AdamW side steps as the unfused one."""
+
+    def fused(value, **where):
+        factory = functools.partial(MuonAdamW, adamw_fused=value)
+        return with_fused_default(factory, **where).keywords["adamw_fused"]
+
+    assert fused(None, on_gpu=True, loss_scaled=False, clipping=True)
+    assert not fused(None, on_gpu=True, loss_scaled=True, clipping=True)
+    assert not fused(None, on_gpu=False, loss_scaled=False, clipping=True)
+    with pytest.raises(
+        ConfigError, match=r"^optimizer.adamw_fused=true with trainer.precision=16-mixed .*; set "
+    ):
+        fused(True, on_gpu=True, loss_scaled=True, clipping=True)
+    with pytest.raises(
+        ConfigError, match=r"^optimizer.adamw_fused=maybe is not valid; use true, false or null$"
+    ):
+        check_optimizer({**MUON, "adamw_fused": "maybe"})
+
+    models = [module("tiny").model, module("tiny").model]
+    optimizers = [
+        MuonAdamW(mark_hidden_matrices([{"params": list(m.parameters())}], m), adamw_fused=f)
+        for m, f in zip(models, (False, True))
+    ]
+    assert [o._adamw.defaults["fused"] for o in optimizers] == [False, True]
+    for step in range(2):
+        for model, optimizer in zip(models, optimizers):
+            fill_grads(model, step)
+            optimizer.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

@@ -8,11 +8,15 @@ and every vector (norm weights) are AdamW's, as Moonlight, modded-nanogpt and to
 keeping its own keys (the norms' weight_decay=0.0 stays with AdamW) and saying `muon: true` or `false`.
 
 The Muon update is torch's (`torch.optim.Muon`: momentum, Nesterov, the Newton-Schulz orthogonalization in bf16,
-`adjust_lr_fn`), step for step, except that a sharded parameter (a DTensor under fsdp or model_parallel, on any
-mesh) is orthogonalized whole: the momentum-updated update is gathered (`full_tensor`), orthogonalized on every
-rank alike, and each rank applies its own shard of it, as torchtitan's and Moonlight's distributed Muon do (every
-rank computes every matrix's iteration: simple, and redundant). Plain tensors (auto, ddp, a pipeline's stages,
-ddp_sharded's whole parameters) are whole already. The AdamW side is torch's AdamW, stepped over the same state.
+`adjust_lr_fn`), step for step, with two changes of how, not what. The orthogonalization runs in batches of
+same-shape matrices, one compiled function on CUDA (newton_schulz.py), each matrix normalized on its own as in
+torch's. And each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every
+result (muon_share.py): a sharded parameter (a DTensor under fsdp or model_parallel, on any mesh) shares with the
+ranks of its mesh; whole ones under ddp with the ranks of torch.distributed's default group, whose gradients are
+equal after the all-reduce. Where ranks hold different whole matrices, each orthogonalizes its own: ddp_sharded's
+ZeroRedundancyOptimizer builds one MuonAdamW per rank over that rank's parameters (ZeRO splits the work), and
+model_parallel's pipeline stages are DTensors on their own stage's data-parallel mesh (size 1 without one). The
+AdamW side is torch's AdamW (`fused` on CUDA through `adamw_fused`), stepped over the same state.
 
 The state is one torch optimizer state: `state_dict`/`load_state_dict`/`zero_grad` are `torch.optim.Optimizer`'s,
 so Lightning checkpoints, torch's distributed state dicts (fsdp, model_parallel) and the universal resume
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from parallama.errors import ConfigError
+from parallama.training.muon_share import Piece, orthogonalized
 
 MUON = "muon"  # the group key saying whose the group is
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -56,57 +61,6 @@ def mark_hidden_matrices(groups: list[dict], model: torch.nn.Module) -> list[dic
     return out
 
 
-def newton_schulz(
-    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype=torch.bfloat16
-) -> Tensor:
-    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py `_zeropower_via_newtonschulz`), op for op, in
-    `dtype` (torch's: bf16)."""
-    a, b, c = coefficients
-    x = update.to(dtype)
-    tall = update.size(0) > update.size(1)
-    if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
-
-
-def orthogonalized(update: Tensor, param: Tensor, coefficients, steps: int, eps: float, dtype) -> Tensor:
-    """The orthogonalized update in `param`'s layout: a DTensor's whole matrix, gathered, orthogonalized, then
-    this rank's shard of it (placements as `param`'s: no communication). Under FSDP's cpu_offload the shards
-    live on the host and the mesh's collectives on its device: the gather and the iteration run there (a path
-    not run by the CPU-only tests)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, coefficients, steps, eps, dtype)
-    mesh = param.device_mesh
-    offloaded = update.device.type != mesh.device_type
-    if offloaded:
-        update = _moved(update, mesh.device_type)
-    whole = newton_schulz(update.full_tensor(), coefficients, steps, eps, dtype)
-    shard = distribute_tensor(whole, mesh, param.placements, src_data_rank=None)
-    return _moved(shard, param.device) if offloaded else shard
-
-
-def _moved(tensor, device):
-    """A DTensor whose local shard is on `device`, its layout unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local().to(device)
-    return DTensor.from_local(
-        local,
-        tensor.device_mesh,
-        tensor.placements,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-        run_check=False,
-    )
-
-
 def adjusted_lr(lr: float, adjust: str | None, shape) -> float:
     """torch.optim.Muon's `adjust_lr_fn` on the parameter's whole shape: "original" (the default) sqrt(max(1,
     A/B)), "match_rms_adamw" 0.2 sqrt(max(A, B)) (Moonlight: the update's RMS of AdamW's, so one lr serves both)."""
@@ -123,10 +77,15 @@ class MuonAdamW(torch.optim.Optimizer):
 
     lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
     "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32.
-    adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's. A group's own keys (the norms'
-    weight_decay=0.0) win over these."""
+    adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's; adamw_fused: torch's `fused` for
+    AdamW (null: torch's default; parallama-train resolves it as optimizer.fused, training/optim.py
+    `with_fused_default`). A group's own keys (the norms' weight_decay=0.0) win over these.
+    share_replicas: whole matrices are the same on every rank of torch.distributed's default group (ddp, after
+    its all-reduce), so each rank orthogonalizes a share of them (muon_share.py); sharded ones (DTensors) are
+    always shared over their mesh."""
 
     takes_hidden_matrices = True  # CausalLM.configure_optimizers marks its groups with mark_hidden_matrices
+    fused_keyword = "adamw_fused"  # training/optim.py `with_fused_default`
 
     def __init__(
         self,
@@ -142,6 +101,8 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_betas=(0.9, 0.99),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.1,
+        adamw_fused: bool | None = None,
+        share_replicas: bool = True,
     ) -> None:
         groups = list(params)
         if not all(isinstance(g, dict) and MUON in g for g in groups):
@@ -158,12 +119,13 @@ class MuonAdamW(torch.optim.Optimizer):
                 adjust_lr=adjust_lr,
                 adamw_lr=adamw_lr,
                 adamw_betas=adamw_betas,
+                adamw_fused=adamw_fused,
             )
         )
         muon = [{"ns_dtype": ns_dtype, **g} for g in groups if g[MUON]]
         adamw = [g for g in groups if not g[MUON]]
         # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts); the
-        # Muon step is this class's (a sharded matrix gathered), the AdamW step torch's
+        # Muon step is this class's (batched, shared across ranks), the AdamW step torch's
         if muon:
             torch.optim.Muon(
                 muon,
@@ -181,12 +143,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 betas=tuple(adamw_betas),
                 eps=adamw_eps,
                 weight_decay=adamw_weight_decay,
+                fused=adamw_fused,
             )
             if adamw
             else None
         )
         super().__init__(muon + adamw, {})
-        # what ZeroRedundancyOptimizer (ddp_sharded) passes when it builds one per rank
+        self._share_replicas, self._replicas = share_replicas, None
+        # What ZeroRedundancyOptimizer (ddp_sharded) builds one optimizer per rank with, over that rank's own
+        # parameters: its matrices are not its peers', so it orthogonalizes them itself (ZeRO splits the work).
         self.defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -199,6 +164,8 @@ class MuonAdamW(torch.optim.Optimizer):
             adamw_betas=tuple(adamw_betas),
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
+            adamw_fused=adamw_fused,
+            share_replicas=False,
         )
 
     @staticmethod
@@ -215,6 +182,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 lambda v: len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
                 "two numbers in [0, 1), e.g. [0.9, 0.95]",
             ),
+            "adamw_fused": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
         }
         for key, (valid, text) in rules.items():
             if key in keywords and not valid(keywords[key]):
@@ -250,22 +218,56 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        """torch.optim.Muon's `_single_tensor_muon`, a sharded matrix orthogonalized whole."""
+        """torch.optim.Muon's `_single_tensor_muon` on each rank's pieces, the orthogonalization batched and
+        shared (muon_share.py). Every rank holding a matrix skips it alike when it has no gradient."""
         lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
         lr = lr.item() if isinstance(lr, Tensor) else lr
+        params, pieces = [], []
         for param in group["params"]:
             if param.grad is None:
                 continue
-            grad = param.grad
             state = self.state[param]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
+                state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+            grad, buf = _local(param.grad), _local(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            dtype = NS_DTYPES[group["ns_dtype"]]
-            update = orthogonalized(
-                update, param, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
-            )
-            param.mul_(1 - lr * weight_decay)
-            param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+            params.append(param)
+            pieces.append(self._piece(update, param))
+        results = orthogonalized(
+            pieces, group["ns_coefficients"], group["ns_steps"], group["eps"], NS_DTYPES[group["ns_dtype"]]
+        )
+        for param, result in zip(params, results):
+            local = _local(param)
+            local.mul_(1 - lr * weight_decay)
+            local.add_(result, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+
+    def _piece(self, update: Tensor, param) -> Piece:
+        """`update` (this rank's piece of it) with the ranks that hold its matrix."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(param, DTensor):
+            grad = param.grad
+            return Piece(update, grad.device_mesh, grad.placements, param.placements, param.shape)
+        return Piece(update, self._replica_mesh(update.device), (Replicate(),), (Replicate(),), param.shape)
+
+    def _replica_mesh(self, device: torch.device):
+        """torch.distributed's default group as a mesh, where whole matrices are replicas on its ranks (ddp)."""
+        import torch.distributed as dist
+
+        if not (self._share_replicas and dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size() == 1:
+            return None
+        if self._replicas is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._replicas = DeviceMesh.from_group(dist.group.WORLD, device.type)
+        return self._replicas
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (a view: in-place ops change the DTensor), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -47,20 +47,22 @@ def check_optimizer(config: Mapping) -> partial:
 
 
 def with_fused_default(factory: partial, *, on_gpu: bool, loss_scaled: bool, clipping: bool) -> partial:
-    """`fused: null` (conf/optimizer/adamw.yaml) is parallama's choice: torch's fused kernel on GPU, except under
-    fp16's loss scaler, where a fused step unscales the gradients itself, after Lightning clipped them scaled."""
-    if "fused" not in factory.keywords:
+    """`fused: null` (conf/optimizer/adamw.yaml; muon.yaml's `adamw_fused`, the class's `fused_keyword`) is
+    parallama's choice: torch's fused kernel on GPU, except under fp16's loss scaler, where a fused step unscales
+    the gradients itself, after Lightning clipped them scaled."""
+    key = getattr(factory.func, "fused_keyword", "fused")
+    if key not in factory.keywords:
         return factory
-    fused = factory.keywords["fused"]
+    fused = factory.keywords[key]
     if fused is None:
         fused = on_gpu and not loss_scaled
     elif fused and loss_scaled and clipping:
         raise ConfigError(
-            "optimizer.fused=true with trainer.precision=16-mixed and trainer.gradient_clip_val: a fused optimizer "
-            "unscales fp16 gradients inside its step, after clipping; set optimizer.fused=null, "
+            f"optimizer.{key}=true with trainer.precision=16-mixed and trainer.gradient_clip_val: a fused optimizer "
+            f"unscales fp16 gradients inside its step, after clipping; set optimizer.{key}=null, "
             "trainer.precision=bf16-mixed or trainer.gradient_clip_val=null"
         )
-    return partial(factory.func, *factory.args, **{**factory.keywords, "fused": fused or None})
+    return partial(factory.func, *factory.args, **{**factory.keywords, key: fused or None})
 
 
 def offload_refusal(optimizer_class: type) -> str | None:

@@ -16,7 +16,6 @@ from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.dims import dims_of_config, processes_per_node
-from parallama.parallel.float8 import converted_share
 from parallama.parallel.layouts import Layout, estimate_layout, search
 from parallama.parallel.options import ACOptions, stages_per_rank
 from parallama.parallel.plan import (
@@ -72,6 +71,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
 
     def how(c):
         return selective if c == "selective" else c
+
+    from parallama.parallel.float8 import converted_share  # torch: the command line's start stays without it
 
     float8 = cfg.get("float8")
     terms = dict(

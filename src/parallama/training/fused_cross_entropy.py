@@ -112,12 +112,24 @@ def _chunk_step(logits: Tensor, labels: Tensor, how: Chunking) -> Tensor:
     return step(logits, labels, how.label_smoothing, how.z_loss, how.vocab, how.start, how.group)
 
 
+@functools.cache
+def gemm_adds_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's GEMM on `device` adds a product of `dtype` matrices into an fp32 one in place
+    (`addmm`'s `out_dtype`: CUDA only, and what it accepts for the added matrix changed across releases)."""
+    total, ones = torch.zeros(2, 2, device=device), torch.ones(2, 2, device=device, dtype=dtype)
+    try:
+        torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((total == 2).all())
+
+
 def _accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
-    """total += a @ b, with `total` fp32 and a, b perhaps bf16: on CUDA the bf16 GEMM accumulates into it directly
-    (torch >= 2.8's `out_dtype`, CUDA only), elsewhere through a product in their dtype."""
+    """total += a @ b, with `total` fp32 and a, b perhaps bf16: where it can, the bf16 GEMM accumulates into it
+    directly; else through a product in their dtype."""
     if total.dtype == a.dtype:
         total.addmm_(a, b)
-    elif a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+    elif a.is_cuda and gemm_adds_into_fp32(a.device, a.dtype):
         torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     else:
         total.add_(a @ b)

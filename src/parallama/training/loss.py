@@ -9,8 +9,8 @@ rank gathers the logits). A loss term of your own: subclass `CrossEntropy` and n
 `impl="fused"` computes the head's matmul and the loss together, chunk by chunk, so the (tokens, vocab) logits and
 their gradient never exist whole (`fused`): the model hands over its final hidden states and its head
 (`DecoderModel.head`). It takes parallama's fused linear cross-entropy (training/fused_cross_entropy.py), whose
-gradients are computed in the forward pass, wherever it applies (`fused_path`), torch's `F.linear_cross_entropy`
-nowhere: measured no faster (docs/benchmarks.md, `loss`).
+gradients are computed in the forward pass, wherever it applies (`fused_path`); torch's `F.linear_cross_entropy`
+nowhere (see `fused_path`).
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ def fused_path(loss_fn: CrossEntropy, head: nn.Module) -> str:
     a matmul by the weight), and DeepSpeed's ZeRO-3, whose hooks gather the partitioned weight only when the head
     module itself is called (read outside it, the weight is an empty partition).
 
-    torch's `F.linear_cross_entropy` (torch >= 2.13) is not taken: on the 2-core CPU parallama's was as fast or
-    faster at every measured shape (`python -m bench loss`, docs/benchmarks.md), and it also has label smoothing,
-    z-loss, tensor parallel and a padded vocabulary."""
+    torch's `F.linear_cross_entropy` (torch >= 2.13; the GPU machine's 2.11 lacks it) is not taken: on the 2-core
+    CPU it was level with parallama's (0-3% ahead in the head alone, within the VM's noise, the same memory;
+    `python -m bench loss`, docs/benchmarks.md), and it has no label smoothing, z-loss, vocab-parallel head or padded
+    vocabulary, so one implementation serves every run."""
     weight = head.weight
     plain_head = type(head) is nn.Linear and head.bias is None and not hasattr(weight, "ds_id")
     own_terms = type(loss_fn).__call__ is not CrossEntropy.__call__

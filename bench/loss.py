@@ -50,20 +50,6 @@ def add_arguments(p) -> None:
     loss_head.add_arguments(p)
 
 
-def _memory() -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of this process, bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-
-
 def _model(args: dict):
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
@@ -100,8 +86,8 @@ def _variant(impl: str, args: dict, weights_path: str, queue) -> None:
     ]
     times, peaks, step_peaks, losses = [], [], [], []
     for step, (ids, labels) in enumerate(batches):
-        before = _memory()["VmRSS"]
-        _reset_peak()
+        before = loss_head.process_memory()["VmRSS"]
+        loss_head.reset_process_peak()
         start = time.perf_counter()
         if loss_fn.fuses():  # as CausalLM.loss
             loss = model.head(model(ids, hidden_states=True), loss_fn.head_loss(labels))
@@ -111,7 +97,7 @@ def _variant(impl: str, args: dict, weights_path: str, queue) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        peak = _memory()["VmHWM"]
+        peak = loss_head.process_memory()["VmHWM"]
         losses.append(loss.item())
         if step:  # the first step allocates AdamW's state
             times.append(elapsed)

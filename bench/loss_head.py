@@ -111,20 +111,24 @@ def arms(s: dict) -> dict:
     return out
 
 
-def _rss() -> int:
+def process_memory() -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of this process, bytes."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_process_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
 
 
 def _peak_since_reset(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return process_memory()["VmHWM"]
 
 
 def _reset_peak(device: torch.device) -> int:
@@ -132,8 +136,8 @@ def _reset_peak(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss()
+    reset_process_peak()
+    return process_memory()["VmRSS"]
 
 
 def _call(fn, hidden, weight, labels) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -1,5 +1,6 @@
 """`loss`: the fused linear cross-entropy (`loss.impl=fused`) against the plain loss: a training step's time and
-peak memory at Llama 3's vocabulary (128256), and the weights after the same steps.
+peak memory at Llama 3's vocabulary (128256), and the weights after the same steps (CPU); and the head and loss alone
+timed every way they can be computed (bench/loss_head.py; `--device cuda`: those alone, at Llama-3.2-1B's head).
 
 Each variant trains in a process of its own (spawned: no memory of the other's), on the same weights and batches:
 a small Llama (the head and embedding dominate, as the logits do) with AdamW, its forward, loss and backward as
@@ -11,12 +12,14 @@ are plain malloc/mmap, so the resident set sees them (tracemalloc would not).
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench import loss_head
 from bench.common import machine, median, print_machine, save
 
 VARIANTS = ("plain", "fused")
@@ -37,27 +40,14 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=3, help="training steps; the first is not timed")
     p.add_argument("--chunk-size", type=int, default=1024, help="loss.chunk_size: tokens per chunk")
     p.add_argument("--repeats", type=int, default=1, help="rounds of both variants (ratios: their medians)")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="> 0 takes the chunked path")
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="of both variants' loss")
     p.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZERS),
         default="adamw",
         help="adamw (the recipe's) or sgd (an update linear in the gradient: see docs/benchmarks.md)",
     )
-
-
-def _memory() -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of this process, bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    loss_head.add_arguments(p)
 
 
 def _model(args: dict):
@@ -96,8 +86,8 @@ def _variant(impl: str, args: dict, weights_path: str, queue) -> None:
     ]
     times, peaks, step_peaks, losses = [], [], [], []
     for step, (ids, labels) in enumerate(batches):
-        before = _memory()["VmRSS"]
-        _reset_peak()
+        before = loss_head.process_memory()["VmRSS"]
+        loss_head.reset_process_peak()
         start = time.perf_counter()
         if loss_fn.fuses():  # as CausalLM.loss
             loss = model.head(model(ids, hidden_states=True), loss_fn.head_loss(labels))
@@ -107,7 +97,7 @@ def _variant(impl: str, args: dict, weights_path: str, queue) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        peak = _memory()["VmHWM"]
+        peak = loss_head.process_memory()["VmHWM"]
         losses.append(loss.item())
         if step:  # the first step allocates AdamW's state
             times.append(elapsed)
@@ -152,6 +142,13 @@ def _interleaved_times(args: dict, queue) -> None:
     queue.put(ratios)
 
 
+def _ratio(fused: float, plain: float) -> float:
+    """fused / plain; a tiny run's step may raise no high-water mark at all (0 MB in both: even)."""
+    if plain:
+        return fused / plain
+    return 1.0 if not fused else math.inf
+
+
 def _spawned(ctx, target, *args):
     """`target(*args, queue)` in a spawned process: what it put on the queue."""
     queue = ctx.SimpleQueue()
@@ -164,12 +161,40 @@ def _spawned(ctx, target, *args):
 
 
 def run(args) -> None:
-    import torch.multiprocessing as mp
-
-    if args.steps < 2:
-        raise SystemExit("bench loss: --steps must be >= 2 (the first step is not measured)")
     info = machine()
     print_machine(info)
+    head_settings = loss_head.settings(args)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench loss: --device cuda, but torch sees no CUDA device")
+        head = _head(head_settings)
+        save(args.out, "loss", info, {"head": head})
+        return
+    if args.steps < 2:
+        raise SystemExit("bench loss: --steps must be >= 2 (the first step is not measured)")
+    results = _steps(args)
+    save(args.out, "loss", info, {**results, "head": _head(head_settings)})
+
+
+def _head(settings: dict) -> dict:
+    start = time.perf_counter()
+    results = loss_head.run_head(settings)
+    ratios = loss_head.report(settings, results)
+    wall = time.perf_counter() - start  # compiles included: the GPU call's budget
+    print(f"# head timings took {wall:.0f} s")
+    return {
+        "settings": settings,
+        "results": results,
+        "ratios": ratios,
+        "goals": loss_head.GOALS,
+        "wall_s": wall,
+    }
+
+
+def _steps(args) -> dict:
+    """The training steps of each variant in its own process, and their forward+backward interleaved."""
+    import torch.multiprocessing as mp
+
     settings = {k: getattr(args, k) for k in ("vocab", "seq_len", "batch", "hidden", "layers", "steps")}
     settings |= {
         "chunk_size": args.chunk_size,
@@ -196,9 +221,9 @@ def run(args) -> None:
     }
     plain = results["plain"]
     ratios = {
-        "step_peak": median([r["fused"]["step_peak_mb"] / r["plain"]["step_peak_mb"] for r in rounds]),
-        "peak_rss": median([r["fused"]["peak_rss_mb"] / r["plain"]["peak_rss_mb"] for r in rounds]),
-        "step_time": median([r["fused"]["step_s"] / r["plain"]["step_s"] for r in rounds]),
+        "step_peak": median([_ratio(r["fused"]["step_peak_mb"], r["plain"]["step_peak_mb"]) for r in rounds]),
+        "peak_rss": median([_ratio(r["fused"]["peak_rss_mb"], r["plain"]["peak_rss_mb"]) for r in rounds]),
+        "step_time": median([_ratio(r["fused"]["step_s"], r["plain"]["step_s"]) for r in rounds]),
         "forward_backward_time_interleaved": median(interleaved),
     }
     print(f"# {settings}; model {plain['params_m']:.1f} M parameters, fp32")
@@ -214,18 +239,13 @@ def run(args) -> None:
         f"differ by {diff:.1e} (goal <= {GOAL_WEIGHTS}; training moved them by up to {moved:.1e})"
     )
     goals = {"step_peak_ratio": GOAL_PEAK_RATIO, "weights_max_abs_diff": GOAL_WEIGHTS}
-    save(
-        args.out,
-        "loss",
-        info,
-        {
-            "settings": settings,
-            "results": results,
-            "rounds": rounds,
-            "interleaved_time_ratios": interleaved,
-            "ratios": ratios,
-            "weights_max_abs_diff": diff,
-            "weights_max_abs_change": moved,
-            "goals": goals,
-        },
-    )
+    return {
+        "settings": settings,
+        "results": results,
+        "rounds": rounds,
+        "interleaved_time_ratios": interleaved,
+        "ratios": ratios,
+        "weights_max_abs_diff": diff,
+        "weights_max_abs_change": moved,
+        "goals": goals,
+    }

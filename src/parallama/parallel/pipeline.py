@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.parallel.context import sharded_batch
-from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, ZERO_BUBBLE, PipelineOptions
+from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
 from parallama.runtime.compat import forward_only
 from parallama.training.loss import fuses
 
@@ -72,9 +72,9 @@ class Pipeline:
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         if self.fused:  # the last stage gave its hidden states: the head runs here, with the loss in training
             head = next(stage.submod for stage in self.stages if stage.is_last).head
+            # a zero-bubble schedule runs its backward twice (input, then weight gradients): the fused loss allows it
             if fuses(self.loss_fn):
-                twice = self.options.schedule in ZERO_BUBBLE  # input gradients first, weight gradients later
-                return head(logits, self.loss_fn.head_loss(labels, "sum", twice=twice)) / self._denominator
+                return head(logits, self.loss_fn.head_loss(labels, "sum")) / self._denominator
             logits = head(logits)
         if self.on_validation_logits is not None and not torch.is_grad_enabled():
             self.on_validation_logits(logits, labels)

@@ -8,11 +8,14 @@ rank gathers the logits). A loss term of your own: subclass `CrossEntropy` and n
 
 `impl="fused"` computes the head's matmul and the loss together, chunk by chunk, so the (tokens, vocab) logits and
 their gradient never exist whole (`fused`): the model hands over its final hidden states and its head
-(`DecoderModel.head`).
+(`DecoderModel.head`). It takes parallama's fused linear cross-entropy (training/fused_cross_entropy.py), whose
+gradients are computed in the forward pass, wherever it applies (`fused_path`); torch's `F.linear_cross_entropy`
+nowhere (see `fused_path`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import ConfigError
+from parallama.training.fused_cross_entropy import linear_cross_entropy, vocab_parallel
 
+log = logging.getLogger("parallama")
 IMPLS = ("plain", "fused")
 
 
@@ -80,64 +85,85 @@ class CrossEntropy:
         """Whether this step computes the head with the loss: impl="fused" where gradients are taken."""
         return self.impl == "fused" and torch.is_grad_enabled()
 
-    def head_loss(
-        self, labels: Tensor, reduction: str = "mean", *, twice: bool = False
-    ) -> Callable[[Tensor, nn.Module], Tensor]:
+    def head_loss(self, labels: Tensor, reduction: str = "mean") -> Callable[..., Tensor]:
         """What `model.head(hidden, ...)` takes: this loss of `labels` as a function of the final hidden states
         and the head module (`fused`)."""
-        return partial(self.fused, labels=labels, reduction=reduction, twice=twice)
+        return partial(self.fused, labels=labels, reduction=reduction)
 
     def fused(
-        self, hidden: Tensor, head: nn.Module, labels: Tensor, reduction: str = "mean", twice: bool = False
+        self,
+        hidden: Tensor,
+        head: nn.Module,
+        labels: Tensor,
+        reduction: str = "mean",
+        valid_vocab: int | None = None,
     ) -> Tensor:
-        """The loss of `head(hidden)` against `labels` (as `__call__`), without the whole logits.
+        """The loss of `head(hidden)` against `labels` (as `__call__`), without the whole logits. `valid_vocab`:
+        the head's rows that are the true vocabulary (a head padded past it): the others take no probability.
 
-        torch's `F.linear_cross_entropy` (chunked, its gradients computed in the forward pass) where it applies:
-        the installed torch has it, no label smoothing or z-loss, and the head's weight is a plain tensor. Else
-        `chunk_size` tokens at a time, each chunk's logits recomputed in backward (torch.utils.checkpoint, as
-        torchtitan's chunked loss) through the head module itself: under tensor parallel its logits are a chunk's
-        vocab shard, and `__call__`'s log-sum-exp is reduced over the tp ranks (no rank gathers the logits); under
-        DeepSpeed's ZeRO-3 the module's hooks gather its weight. `twice`: backward runs through it twice (a
-        zero-bubble pipeline schedule's input, then weight gradients), which torch's op allows at the cost of one
-        more copy of its gradients."""
+        Where `fused_path` says "parallama": training/fused_cross_entropy.py on the head's weight, each chunk's
+        gradients computed in the forward pass (vocab-parallel under tensor parallel). Else "checkpointed":
+        `chunk_size` tokens at a time through the head module and `__call__`, each chunk's logits recomputed in
+        backward (torch.utils.checkpoint)."""
+        path = fused_path(self, head)
+        _say_once(path)
+        if path == "parallama":
+            loss = linear_cross_entropy(
+                hidden,
+                head.weight,
+                labels,
+                chunk_size=self.chunk_size,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                valid_vocab=valid_vocab,
+            )
+            return _reduced(loss, labels, reduction)
         if isinstance(hidden, DTensor):  # sequence parallel: each tp rank's part of the sequence
             hidden = hidden.redistribute(placements=[Replicate()])
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
-        if self._torch_fuses(head):
-            from torch.nn import LinearCrossEntropyOptions
-
-            weight = head.weight
-            dtype = torch.get_autocast_dtype(hidden.device.type) if _autocast(hidden) else weight.dtype
-            loss = F.linear_cross_entropy(
-                hidden.to(dtype),
-                weight.to(dtype),
-                labels,
-                reduction="sum",
-                ignore_index=IGNORE_INDEX,
-                options=LinearCrossEntropyOptions(
-                    batch_chunk_size=self.chunk_size, chunking_method=None, allow_retain_graph=twice
-                ),
-            ).float()
-        else:
-            chunks = zip(hidden.split(self.chunk_size), labels.split(self.chunk_size))
-            loss = sum(checkpoint(self._chunk_loss, head, h, y, use_reentrant=False) for h, y in chunks)
+        chunks = zip(hidden.split(self.chunk_size), labels.split(self.chunk_size))
+        loss = sum(
+            checkpoint(self._chunk_loss, head, h, y, valid_vocab, use_reentrant=False) for h, y in chunks
+        )
         return _reduced(loss, labels, reduction)
 
-    def _chunk_loss(self, head: nn.Module, hidden: Tensor, labels: Tensor) -> Tensor:
-        return self(head(hidden), labels, reduction="sum")
+    def _chunk_loss(self, head: nn.Module, hidden: Tensor, labels: Tensor, valid_vocab: int | None) -> Tensor:
+        logits = head(hidden)
+        return self(logits if valid_vocab is None else logits[..., :valid_vocab], labels, reduction="sum")
 
-    def _torch_fuses(self, head: nn.Module) -> bool:
-        """torch's fused op computes plain cross-entropy through a plain `nn.Linear` without bias (not a float8 or
-        other module of its own) on a whole weight (not a DTensor, not a ZeRO-3 partition); a subclass's own
-        `__call__` (another term) runs on each chunk's logits instead."""
-        weight = head.weight
-        plain_head = type(head) is nn.Linear and head.bias is None
-        plain_weight = (
-            plain_head and type(weight) in (torch.Tensor, nn.Parameter) and not hasattr(weight, "ds_id")
-        )
-        has_op = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
-        own_terms = type(self).__call__ is not CrossEntropy.__call__
-        return has_op and plain_weight and not (self.label_smoothing or self.z_loss or own_terms)
+
+FUSED_PATHS = {
+    "parallama": "parallama's fused linear cross-entropy (gradients in the forward pass)",
+    "checkpointed": "chunks through the head module, recomputed in backward",
+}
+
+
+def fused_path(loss_fn: CrossEntropy, head: nn.Module) -> str:
+    """Which computation `CrossEntropy.fused` takes for `head`: "parallama" on a plain bias-free `nn.Linear`'s
+    weight, whole or vocab-parallel. "checkpointed" where the gradient cannot be computed ahead: a subclass's own
+    `__call__` (a term of its own, run on each chunk's logits), a head module of another kind (its forward is not
+    a matmul by the weight), and DeepSpeed's ZeRO-3, whose hooks gather the partitioned weight only when the head
+    module itself is called (read outside it, the weight is an empty partition).
+
+    torch's `F.linear_cross_entropy` (torch >= 2.13; the GPU machine's 2.11 lacks it) is not taken: on the 2-core
+    CPU it was level with parallama's (0-3% ahead in the head alone, within the VM's noise, the same memory;
+    `python -m bench loss`, docs/benchmarks.md), and it has no label smoothing, z-loss, vocab-parallel head or padded
+    vocabulary, so one implementation serves every run."""
+    weight = head.weight
+    plain_head = type(head) is nn.Linear and head.bias is None and not hasattr(weight, "ds_id")
+    own_terms = type(loss_fn).__call__ is not CrossEntropy.__call__
+    sharded_otherwise = isinstance(weight, DTensor) and not vocab_parallel(weight)
+    return "parallama" if plain_head and not (own_terms or sharded_otherwise) else "checkpointed"
+
+
+_said: set[str] = set()  # the paths this process has logged
+
+
+def _say_once(path: str) -> None:
+    """One line per process and path: the run's log says which one its steps took."""
+    if path not in _said:
+        _said.add(path)
+        log.info(f"loss.impl=fused: {FUSED_PATHS[path]}")
 
 
 def fuses(loss_fn) -> bool:
@@ -149,10 +175,6 @@ def _reduced(loss: Tensor, labels: Tensor, reduction: str) -> Tensor:
     if reduction == "sum":
         return loss
     return loss / (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
-def _autocast(t: Tensor) -> bool:
-    return torch.is_autocast_enabled(t.device.type)
 
 
 def _full(t: Tensor) -> Tensor:

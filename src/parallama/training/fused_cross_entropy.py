@@ -96,11 +96,9 @@ def _compiled():
 
 
 def compiled_chunk_loss_and_grad_(logits: Tensor, labels: Tensor, *args) -> Tensor:
-    """`chunk_loss_and_grad_` compiled: one or two kernels over the chunk, not one pass per op. Its number of tokens
-    is dynamic from the first call, so that the last, shorter chunk of a batch (or another loss.chunk_size) reuses
-    the one compiled graph."""
-    torch._dynamo.maybe_mark_dynamic(logits, 0)
-    torch._dynamo.maybe_mark_dynamic(labels, 0)
+    """`chunk_loss_and_grad_` compiled: one or two kernels over the chunk, not one pass per op. A last, shorter
+    chunk of a batch (tokens not a multiple of loss.chunk_size) compiles once more, with the number of tokens
+    dynamic from then on (torch.compile's automatic dynamic shapes)."""
     return _compiled()(logits, labels, *args)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.autograd import DeviceType
 
 # Kernel names, by what they compute: a profile's device time split into these (the rest is "other").
 KERNELS = {
@@ -93,7 +94,9 @@ class Clock(L.Callback):
 
 def summary(profiler, steps: int) -> dict:
     """Where a step's time goes, per optimizer step: device (else CPU) milliseconds of the GPU kernels by kind
-    (`KERNELS`; none on a CPU), of the named ranges (`RANGES`: the loss, clipping, the optimizer), and the 15 costliest ops."""
+    (`KERNELS`; none on a CPU; each kernel counted once, not again in the op that launched it), of the named ranges
+    (a range's device time is that of the kernels launched inside it; where the CPU runs far ahead, as under
+    gradient accumulation, stalls on a full launch queue land in whichever range is open: read those with care) (`RANGES`: the loss, clipping, the optimizer), and the 15 costliest ops."""
     events = profiler.key_averages()
     on_device = any(getattr(e, "self_device_time_total", 0) for e in events)
 
@@ -105,6 +108,8 @@ def summary(profiler, steps: int) -> dict:
 
     kinds = dict.fromkeys([*KERNELS, "other"], 0.0) if on_device else {}  # kernels run on a device only
     for e in events if on_device else []:
+        if getattr(e, "device_type", None) != DeviceType.CUDA:  # an op's or a range's time is its kernels'
+            continue
         name = e.key.lower()
         kinds[next((k for k, words in KERNELS.items() if any(w in name for w in words)), "other")] += self_ms(
             e

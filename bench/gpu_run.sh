@@ -6,11 +6,12 @@
 # Each call installs .whl/ offline (no internet there; seconds), then runs its part; every benchmark writes its
 # JSON under bench/results/ as it goes (a call cut short keeps what it measured) and the script copies them to
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
-#   1: train-gpu's goal arms: Llama-3.2-1B (the user's command, the fused loss, float8, both, torchtitan 0.2.2's
-#      best), the 8B-shaped model (bf16, float8) and the 180M; 2 interleaved rounds where the budget allows.
-#   2: the loss and the optimizer step alone (bench loss, bench optim-step), then train-gpu's Muon against
-#      AdamW at 16 micro-batches a step, the old default (compile=false), the 180M's padding off, torchtitan
-#      without float8 and the 1B at batch 8, as far as the budget goes.
+# What the 2026-11-27 lease measured is in bench/results/*_h100*.json (docs/benchmarks.md, "train-gpu"); these two
+# calls are what it left unmeasured, each arm in 2 interleaved rounds of 3 windows (about 8 arm runs a call):
+#   1: the 1B's default, Muon against AdamW at 16 micro-batches (128k tokens) a step, the 1B at batch 8.
+#   2: the optimizer step alone (bench optim-step), the 180M (its default, padding off, compile off) and the
+#      1B's float8 beside its default.
+# `bash bench/gpu_run.sh 3` runs the set the 2026-11-27 lease ran first (the goals' arms, torchtitan, the 8B shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -23,23 +24,30 @@ python3 -c "import torch, lightning, hydra, torchao; print('torch', torch.__vers
 mkdir -p bench/results
 status=0
 case "$call" in
-  1)
-    python3 -m bench train-gpu --models llama3_2_1b llama3_8b_4l llama_180m --budget-s "$budget" \
-      --cache-dir /tmp/cache --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:loss.impl=fused \
-      llama3_2_1b:float8=tensorwise llama3_2_1b:best llama3_8b_4l:default llama3_8b_4l:float8=tensorwise \
-      llama_180m:default --out bench/results/train_gpu.json || status=$?
+  1)  # the 1B's default, Muon against AdamW at 128k tokens a step, and the 1B at batch 8
+    python3 -m bench train-gpu --models llama3_2_1b --budget-s "$budget" --cache-dir /tmp/cache \
+      --arms default accumulate=16 'optimizer=muon accumulate=16' data.batch_size=8 \
+      --out bench/results/train_gpu.json || status=$?
     ;;
-  2)
-    timeout 70 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
-    timeout 50 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
+  2)  # the 180M (padding on and off, the old default) and the 1B's float8 beside its default again
+    timeout 60 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
     left=$(( budget - ($(date +%s) - start) ))
-    python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$left" --cache-dir /tmp/cache \
-      --arms 'llama3_2_1b:optimizer=muon accumulate=16' llama3_2_1b:accumulate=16 llama3_2_1b:compile=false \
-      llama_180m:pad_vocab_multiple=1 'llama3_2_1b:titan compile' llama3_2_1b:data.batch_size=8 \
-      --out bench/results/train_gpu_2.json || status=$?
+    python3 -m bench train-gpu --models llama_180m llama3_2_1b --budget-s "$left" --cache-dir /tmp/cache \
+      --arms llama_180m:default llama_180m:pad_vocab_multiple=1 llama_180m:compile=false \
+      llama3_2_1b:default llama3_2_1b:float8=tensorwise --out bench/results/train_gpu_2.json || status=$?
     ;;
-  *) echo "usage: bash bench/gpu_run.sh 1|2 [budget seconds]"; exit 2 ;;
+  3)  # the goals' arms as first measured: the 1B's levers against torchtitan 0.2.2, the 8B shape, the loss alone
+    timeout 60 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
+    left=$(( budget - ($(date +%s) - start) ))
+    python3 -m bench train-gpu --models llama3_2_1b llama3_8b_4l --budget-s "$left" --cache-dir /tmp/cache \
+      --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:loss.impl=fused \
+      llama3_2_1b:float8=tensorwise llama3_2_1b:best llama3_8b_4l:default llama3_8b_4l:float8=tensorwise \
+      --out bench/results/train_gpu_3.json || status=$?
+    ;;
+  *) echo "usage: bash bench/gpu_run.sh 1|2|3 [budget seconds]"; exit 2 ;;
 esac
-if [ -n "${OUT:-}" ]; then cp bench/results/*gpu*.json bench/results/optim_step*.json "$OUT"/ 2>/dev/null; fi
+written=(bench/results/train_gpu.json bench/results/train_gpu_2.json bench/results/train_gpu_3.json
+         bench/results/loss_gpu.json bench/results/optim_step_gpu.json)  # this call's (not the committed ones)
+if [ -n "${OUT:-}" ]; then for f in "${written[@]}"; do [ -f "$f" ] && cp "$f" "$OUT"/; done; fi
 echo "gpu_run.sh $call: $(( $(date +%s) - start )) s, exit $status"
 exit $status

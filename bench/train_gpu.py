@@ -321,11 +321,11 @@ def run(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--models", nargs="+", default=["llama3_2_1b"], choices=list(MODELS))
-    p.add_argument("--warmup", type=int, default=10, help="untimed micro-batches (compilation happens there)")
+    p.add_argument("--warmup", type=int, default=6, help="untimed micro-batches (compilation happens there)")
     p.add_argument(
-        "--steps", type=int, default=10, help="micro-batches per timed window (whole optimizer steps)"
+        "--steps", type=int, default=8, help="micro-batches per timed window (whole optimizer steps)"
     )
-    p.add_argument("--windows", type=int, default=2, help="timed windows per run of an arm")
+    p.add_argument("--windows", type=int, default=3, help="timed windows per run of an arm")
     p.add_argument("--rounds", type=int, default=2, help="runs per arm, interleaved with the other arms'")
     p.add_argument("--profile", type=int, default=1, help="optimizer steps profiled after an arm's first run")
     p.add_argument("--budget-s", type=float, default=480, help="runs that would start later are skipped")

@@ -77,3 +77,16 @@ def test_without_cuda_train_gpu_says_so(capsys):
 def test_the_gpu_scripts_parse(script):
     bench = Path(__file__).resolve().parents[2] / "bench"
     assert subprocess.run(["bash", "-n", str(bench / script)]).returncode == 0
+
+
+def test_by_default_every_arm_runs_in_two_interleaved_rounds_of_three_windows():
+    """The fairness the GPU figures rest on (issue #37): the first GPU run of this benchmark took an unintended
+    default of 2 windows and, its budget spent, no second round."""
+    import argparse
+
+    from bench.train_gpu import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.windows >= 3 and args.rounds >= 2 and args.profile == 1

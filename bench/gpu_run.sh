@@ -41,7 +41,7 @@ case "$call" in
     left=$(( budget - ($(date +%s) - start) ))
     python3 -m bench train-gpu --models llama3_2_1b llama3_8b_4l --budget-s "$left" --cache-dir /tmp/cache \
       --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:loss.impl=fused \
-      llama3_2_1b:float8=tensorwise llama3_2_1b:best llama3_8b_4l:default llama3_8b_4l:float8=tensorwise \
+      llama3_2_1b:float8=tensorwise llama3_8b_4l:default llama3_8b_4l:float8=tensorwise \
       --out bench/results/train_gpu_3.json || status=$?
     ;;
   *) echo "usage: bash bench/gpu_run.sh 1|2|3 [budget seconds]"; exit 2 ;;

@@ -16,6 +16,7 @@ from parallama.parallel.plan import (
     estimate,
     float8_gathered,
     loss_bytes,
+    loss_fixed_bytes,
     optimizer_state_bytes,
 )
 
@@ -51,12 +52,18 @@ def test_muon_keeps_one_buffer_for_the_blocks_matrices():
     assert off.optim - on.optim == pytest.approx(4 * matrices / 8, abs=1)  # a rank's half of each matrix, /4
 
 
-def test_the_fused_loss_keeps_no_logits():
+def test_the_fused_loss_keeps_no_logits_but_its_gradients():
+    """It computes its gradients in the forward: the hidden states' (fp32, per token) and the head weight's (fp32,
+    once: 1 GB at Llama-3.2-1B's vocabulary), held until backward."""
     c, tokens = LLAMA_1B, 4 * 2048
     plain = activation_bytes(c, tokens, 2, 4, False)
     fused = activation_bytes(c, tokens, 2, 4, False, loss_impl="fused")
-    assert plain - fused == tokens * loss_bytes(c, 2) == tokens * c.vocab_size * (2 + 4 + 4)  # 9.8 GiB here
-    assert loss_bytes(c, 2, tp=2) == loss_bytes(c, 2) // 2 and loss_bytes(c, 2, loss_impl="fused") == 0
+    assert tokens * loss_bytes(c, 2) == tokens * c.vocab_size * (2 + 4 + 4)  # 9.8 GiB here
+    head_grad = loss_fixed_bytes(c, loss_impl="fused")
+    assert head_grad == c.vocab_size * c.hidden_size * 4 and loss_fixed_bytes(c) == 0
+    assert plain - fused == tokens * (loss_bytes(c, 2) - c.hidden_size * 4) - head_grad
+    assert loss_bytes(c, 2, tp=2) == loss_bytes(c, 2) // 2 and loss_bytes(c, 2, loss_impl="fused") == 4 * 2048
+    assert loss_fixed_bytes(c, tp=2, loss_impl="fused") == head_grad // 2  # its vocab-parallel rows
     assert activation_bytes(c, tokens, 2, 4, False, head=False, loss_impl="fused") == activation_bytes(
         c, tokens, 2, 4, False, head=False
     )  # a pipeline stage without the head: no loss

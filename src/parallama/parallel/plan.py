@@ -140,7 +140,8 @@ def activation_bytes(
     `residual + 2 h e + (attention_activations + 2 i) e / tp` per layer (no norm outputs, no silu(gate) and
     product: 1 residual + 2i / tp less than none), plus one block recomputing those (2 h e + 2 i e / tp).
     Selective every_n: `L // n` blocks as full (their input), the others as none, plus one block recomputing.
-    The loss adds what `loss_bytes` says (`loss_impl`: the plain loss's logits, none for the fused one).
+    The loss adds what `loss_bytes` and `loss_fixed_bytes` say (`loss_impl`: the plain loss's logits, the fused
+    one's gradients).
 
     Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
     (rotated q, k, v, attention output, the MLP's 4i) and the vocab-parallel logits; sequence parallel also
@@ -163,18 +164,29 @@ def activation_bytes(
     else:  # every_n
         full = n // ac.every_n
         layers = full * residual + (n - full) * block + (block if full else 0)
-    return tokens * (layers + (residual + h * e + loss_bytes(c, e, tp, loss_impl) if head else 0))
+    loss = tokens * loss_bytes(c, e, tp, loss_impl) + loss_fixed_bytes(c, tp, loss_impl)
+    return tokens * (layers + (residual + h * e if head else 0)) + (loss if head else 0)
 
 
 def loss_bytes(c, e: int, tp: int = 1, loss_impl: str = "plain") -> int:
     """Per token, what the loss keeps for backward beyond the head's input. Plain (`loss.impl=plain`): the logits
     (compute dtype), their fp32 copy and the fp32 log-softmax, vocab-parallel under tensor parallel; their
-    gradient of the same size replaces them during backward. Fused (`loss.impl=fused`, the head's matmul and the
-    cross-entropy in chunks): no logits are kept, only the per-token log-sum-exp (ignored, as attention's), and
-    the chunk in flight (a bounded working set, not per token)."""
+    gradient of the same size replaces them during backward. That is the eager loss's; compiled (`compile`, on
+    by default on CUDA, outside tensor parallel, a pipeline and context parallel) it keeps about the logits alone
+    (one H100: 3.0 GB at 8192 tokens x 128256, against 12.6 GB eager: docs/benchmarks.md, `loss`), so the plan
+    errs on the safe side there. Fused (`loss.impl=fused`, the head's matmul and the cross-entropy in chunks, the
+    gradients computed in the forward): no logits, but the hidden states' gradient (fp32, as the final norm's
+    output under autocast), and the chunk in flight (a bounded working set, not per token); the head weight's
+    gradient is `loss_fixed_bytes`."""
     if loss_impl == "fused":
-        return 0
+        return c.hidden_size * 4
     return c.vocab_size // tp * (e + 4 + (4 if e != 4 else 0))
+
+
+def loss_fixed_bytes(c, tp: int = 1, loss_impl: str = "plain") -> int:
+    """What the loss keeps whatever the tokens: the fused loss's fp32 gradient of the head weight (its vocab-parallel
+    rows under tensor parallel), computed in the forward and held until backward."""
+    return c.vocab_size // tp * c.hidden_size * 4 if loss_impl == "fused" else 0
 
 
 def optimizer_state_bytes(c, per_param: int, optimizer: str = "adamw") -> int:

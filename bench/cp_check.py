@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from parallama.distributed.context import data_parallel_mesh, mean_loss, sharded_batch, unshard
+from parallama.distributed.dims import ParallelDims
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.context import data_parallel_mesh, mean_loss, sharded_batch, unshard
-from parallama.parallel.dims import ParallelDims
 from parallama.runtime import compat
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -49,7 +49,7 @@ def gathered(mesh, t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def attention(mesh, device, dtype, kernel: SDPBackend | None, seq: int, kv_heads: int) -> dict[str, float]:
     """Ring attention of random q (8 heads) and k/v (`kv_heads`) vs SDPA on the whole sequence. On CPU the kernel
-    is parallama's registration (parallel/context.py does it when it shards a batch; here by hand)."""
+    is parallama's registration (distributed/context.py does it when it shards a batch; here by hand)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, seq, 64, generator=g).to(device, dtype) for h in (8, kv_heads, kv_heads))
     out_grad = torch.randn(2, 8, seq, 64, generator=g).to(device, dtype)

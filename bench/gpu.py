@@ -66,9 +66,9 @@ def measure(
     after `args.warmup` untimed ones (compilation happens there), and the peak allocated bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from parallama.distributed.blocks import apply_ac, apply_compile
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
-    from parallama.parallel.blocks import apply_ac, apply_compile
 
     v = {**BASELINE, **variant}
     batch *= v["batch"]

@@ -30,8 +30,8 @@ import time
 import torch
 
 from bench.common import ROOT, machine, median, preset, print_machine, quiet, save, spawn_ranks
-from parallama.parallel.dims import ParallelDims
-from parallama.parallel.options import SINGLE_STAGE
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import SINGLE_STAGE
 
 LAYOUTS = {  # name: ParallelDims sizes (and sequence parallel), for the world sizes that fit them
     "fsdp": dict(dp_shard=-1),
@@ -70,7 +70,7 @@ def mesh_sizes(layout: dict) -> dict:
 def pipeline_options(layout: dict, dims: ParallelDims, args):
     """As strategy=model_parallel: the layout's schedule (else --pp-schedule), one stage per pp rank for the
     single-stage schedules and two for the others, by default one microbatch per stage; None without pp."""
-    from parallama.parallel.options import PipelineOptions, stages_per_rank
+    from parallama.distributed.options import PipelineOptions, stages_per_rank
 
     if dims.pp == 1:
         return None
@@ -104,7 +104,7 @@ def collective_bytes(prof) -> dict[str, int]:
 
 
 def expert_bytes(prof) -> dict[str, int]:
-    """The bytes of the tokens' all-to-alls (parallel/experts.py's `_AllToAll`, whose forward and backward the
+    """The bytes of the tokens' all-to-alls (models/moe_parallel.py's `_AllToAll`, whose forward and backward the
     profiler records by name), by part: in each sparse block's forward the dispatch runs before the combine;
     backward runs them in reverse, the combine's first. Each part: forward and its backward. {} without ep."""
     out = {}
@@ -125,8 +125,8 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.profiler import ProfilerActivity, profile
 
-    from parallama.parallel.options import FSDPOptions, ParallelizeOptions
-    from parallama.parallel.pipeline import Pipeline
+    from parallama.distributed.options import FSDPOptions, ParallelizeOptions
+    from parallama.distributed.pipeline import Pipeline
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
     from parallama.training.loss import CrossEntropy
 

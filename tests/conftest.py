@@ -187,7 +187,7 @@ def one_rank_mesh(tmp_path_factory):
     1): the DTensor code paths (tensor parallel plans, FSDP2) in the test's own process."""
     import torch.distributed as dist
 
-    from parallama.parallel.dims import ParallelDims
+    from parallama.distributed.dims import ParallelDims
 
     store = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

@@ -16,9 +16,9 @@ from test_model_parallel import assert_same_state
 
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
+from parallama.distributed.context import load_balanced_order, shard_positions, unshard
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.context import load_balanced_order, shard_positions, unshard
 
 SMALL = LlamaConfig(
     vocab_size=128,
@@ -75,8 +75,8 @@ def _rank(rank: int, world: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from parallama.parallel.context import data_parallel_mesh, mean_loss, sharded_batch
-    from parallama.parallel.dims import ParallelDims
+    from parallama.distributed.context import data_parallel_mesh, mean_loss, sharded_batch
+    from parallama.distributed.dims import ParallelDims
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

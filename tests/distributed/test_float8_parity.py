@@ -9,7 +9,7 @@ parallama-export (plain weights under the plain names):
   2-rank float8 weights (1e-5). Neither equals one process: dynamic scaling takes each rank's amax of its own
   activations and gradients (half the batch), so the roundings differ (seen: mean 1.6e-5 from one process,
   where float8 vs fp32 is 2.4e-5) as they do under torchtitan's data parallelism.
-- the fsdp float8 checkpoint (plain tensors, parallel/float8.py `plain_tensors`) resumes for one more step.
+- the fsdp float8 checkpoint (plain tensors, distributed/float8.py `plain_tensors`) resumes for one more step.
 - the tp run and the fsdp resume sample text at the end (generation runs under no_grad: torchao's float8
   tensor-parallel inputs and FSDP2's float8 all-gather weights fail under inference mode).
 """
@@ -39,7 +39,11 @@ LAYOUTS = {  # name: (ranks, per-rank batch, overrides)
     "auto": (1, 8, ["float8=tensorwise", "float8_filter=all"]),
     "ddp": (2, 4, ["float8=tensorwise", "float8_filter=all", "strategy=ddp"]),
     "fsdp": (2, 4, ["float8=tensorwise", "float8_filter=all", "strategy=fsdp"]),
-    "tp": (2, 8, ["float8=tensorwise", "float8_filter=all", "strategy=model_parallel", "strategy.tp=2", SAMPLE]),  # FullLogits
+    "tp": (
+        2,
+        8,
+        ["float8=tensorwise", "float8_filter=all", "strategy=model_parallel", "strategy.tp=2", SAMPLE],
+    ),  # FullLogits
 }
 
 

@@ -16,10 +16,10 @@ import torch
 from conftest import SMALL_LLAMA
 from lm_eval.api.instance import Instance
 
-from parallama.data.tokenizer import byte_level
 from parallama.evaluation import tasks as embedded
 from parallama.evaluation.lm import ParallamaLM
 from parallama.models import model_spec
+from parallama.tokenizer import byte_level
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,7 +53,7 @@ def _rank(rank: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallama.parallel.blocks import apply_fsdp
+    from parallama.distributed.blocks import apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)

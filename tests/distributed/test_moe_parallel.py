@@ -1,4 +1,4 @@
-"""Expert parallelism (`strategy.ep`, parallel/experts.py) on `model=qwen3_moe_tiny` with its router losses on (load
+"""Expert parallelism (`strategy.ep`, models/moe_parallel.py) on `model=qwen3_moe_tiny` with its router losses on (load
 balancing 0.01, z-loss 0.001; a sparse and a dense block): ep=2 (2 ranks, also with full activation checkpointing:
 the all-to-alls run again in backward, and per-op selective: the experts recomputed whole, also compiled), ep=2 x
 dp_shard=2 and ep=2 x tp=2 with and without sequence parallel, pp=2 x ep=2 (gpipe, two microbatches: the stages add

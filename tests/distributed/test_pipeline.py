@@ -41,7 +41,7 @@ from test_model_parallel import MP, STEPS, TOLERANCE, assert_same_state, sample,
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
 from parallama.cli.generate import generate_text
-from parallama.parallel.options import ZERO_BUBBLE
+from parallama.distributed.options import ZERO_BUBBLE
 
 pytestmark = pytest.mark.multiprocess
 

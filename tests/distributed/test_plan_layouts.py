@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
+from parallama.distributed.dims import ParallelDims
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layouts import stage_params
 
 SMALL = LlamaConfig(

@@ -129,10 +129,10 @@ def test_step_path(capsys, tmp_path, cache):
     sets = [result[name] for name in ("training_step", "path", "first batch", "command line")]
     step, path = set(sets[0]["by_file"]), set(sets[1]["by_file"])
     assert {"training/module.py", "training/loss.py", "models/llama/model.py"} <= step
-    assert {"cli/train.py", "cli/app.py", "training/run.py"} <= path - step
+    assert {"cli/train.py", "cli/app.py", "app/run.py"} <= path - step
     for smaller, larger in zip(sets, sets[1:]):
         assert set(smaller["by_file"]) <= set(larger["by_file"]) and smaller["lines"] <= larger["lines"]
-    assert "config/checks.py" in sets[3]["by_file"] and "config/checks.py" not in sets[2]["by_file"]
+    assert "app/checks.py" in sets[3]["by_file"] and "app/checks.py" not in sets[2]["by_file"]
     path, aim = result["path"], result["aim"]
     assert path["files"] <= aim["files"] and path["lines"] <= aim["lines"], path
     assert "the path, against issue #27's aim" in text and ": within" in text

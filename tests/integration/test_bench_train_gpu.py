@@ -14,7 +14,7 @@ import torch
 
 from bench.__main__ import main
 from bench.train_gpu import LEVERS, MODELS, command
-from parallama.config.compose import compose_tool
+from parallama.app.compose import compose_tool
 
 ARMS = ["default", "bare eager", "titan compile"]
 

@@ -50,7 +50,7 @@ def test_compiled_selective_checkpointing_and_float8_match_eager_gradients(monke
 
 
 def test_compile_auto_is_on_for_cuda_only_and_an_explicit_value_wins():
-    from parallama.parallel.options import compile_enabled
+    from parallama.distributed.options import compile_enabled
 
     assert compile_enabled("auto", "cuda") and not compile_enabled("auto", "cpu")
     assert compile_enabled(True, "cpu") and not compile_enabled(False, "cuda")

@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 
 from parallama.checkpoint.read import load_checkpoint, load_state_into
 from parallama.cli.export import main as export_main
-from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.hf import load_hf_weights, save_hf_folder
 from parallama.models.llama.model import Llama
+from parallama.tokenizer import byte_level
 
 BIN = Path(sys.executable).parent
 # Matches the byte tokenizer: 260 tokens, rounded up to 320 by parallama-train.

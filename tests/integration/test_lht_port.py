@@ -2,7 +2,7 @@
 
 Source: github.com/ashleve/lightning-hydra-template (MIT), tests/conftest.py, test_configs.py, test_train.py,
 test_sweeps.py and test_eval.py. What had to change, and why:
-- `src.train.train` -> `parallama.training.run.train`, `src.eval.evaluate` -> `parallama.cli.evaluate.evaluate` (it
+- `src.train.train` -> `parallama.app.run.train`, `src.eval.evaluate` -> `parallama.cli.evaluate.evaluate` (it
   returns the metrics only: it builds no Trainer); configs come from parallama's conf/ (`CONF_DIR`).
 - eval.yaml has no `model`/`trainer`: the model and its shape come from the checkpoint, and evaluation is a
   plain loop. Train's `test/acc` is the final `val/loss`, eval's is `loss` (on the same batches).
@@ -38,8 +38,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from parallama import CONF_DIR
+from parallama.app.run import train
 from parallama.cli.evaluate import evaluate
-from parallama.training.run import train
 
 RunIfGPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

@@ -12,7 +12,7 @@ from conftest import TINY, run_cli
 from parallama.data import TextDataModule, embedded
 from parallama.data.datasets import epoch_order
 from parallama.data.position import GENESIS, fold
-from parallama.data.tokenizer import byte_level
+from parallama.tokenizer import byte_level
 
 CONSTANT_LR = ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=1"]  # a run's schedule ignores its length
 

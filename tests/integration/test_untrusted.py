@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 from parallama.checkpoint.read import load_checkpoint
 from parallama.checkpoint.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
-from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
+from parallama.tokenizer import byte_level
 
 CONFIG = LlamaConfig(
     vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2

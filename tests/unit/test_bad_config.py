@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
 from parallama.errors import ConfigError
 
 CASES = [  # (overrides, what the one line must say)
@@ -88,7 +88,7 @@ CASES = [  # (overrides, what the one line must say)
     (["global_batch_size=0"], "global_batch_size=0 is not valid; use an integer >= 1 or null"),
     (["global_batch_size=32", "trainer.accumulate_grad_batches=4"], "set only one of them"),
     (["optimizer.lr=5"], "optimizer.lr=5 is not valid; use a number in (0, 1]"),
-    # found as tracebacks (a ValueError in parallel/dims.py; 'int' has no total_seconds after training started)
+    # found as tracebacks (a ValueError in distributed/dims.py; 'int' has no total_seconds after training started)
     (
         ["trainer.devices=abc"],
         "trainer.devices='abc' is not valid; use a count (e.g. 2), auto, or device ids",
@@ -114,7 +114,10 @@ CASES = [  # (overrides, what the one line must say)
     (["sample.temperature=-1"], "sample.temperature=-1 is not valid; use a number >= 0"),
     (["sample.top_k=0"], "sample.top_k=0 is not valid; use an integer >= 1 or null"),
     (["compile=yes"], "compile='yes' is not valid; use one of 'auto' or true or false"),
-    (["float8=tensorwise", "float8_filter=some"], "float8_filter='some' is not valid; use one of 'auto', 'all'"),
+    (
+        ["float8=tensorwise", "float8_filter=some"],
+        "float8_filter='some' is not valid; use one of 'auto', 'all'",
+    ),
     (
         ["activation_checkpointing=2"],
         "activation_checkpointing=2 is not valid; use one of 'none', 'full', 'selective' or true or false",
@@ -294,7 +297,7 @@ def test_fp16_on_a_cpu_is_recorded_as_the_bf16_that_runs():
     """Found: `trainer.precision=16-mixed` on a CPU ran as bf16-mixed while resolved_config.yaml said 16-mixed."""
     from hydra import compose, initialize_config_dir
 
-    from parallama.config.checks import check_config
+    from parallama.app.checks import check_config
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["trainer.accelerator=cpu", "trainer.precision=16-mixed"])

@@ -15,8 +15,8 @@ from parallama.cli.evaluate import Evaluate
 from parallama.cli.generate import Generate
 from parallama.cli.plan import Plan
 from parallama.cli.prepare import Prepare
-from parallama.config.rules import rules
 from parallama.config.schema import SCHEMA, ModelParallel, train_rules
+from parallama.rules import rules
 
 TOOLS = [Convert, Evaluate, Generate, Plan, Prepare]  # each tool's own keys, declared next to it
 TRAIN = {

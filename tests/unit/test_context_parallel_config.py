@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
+from parallama.distributed.dims import ParallelDims
 from parallama.errors import ConfigError
 from parallama.parallel import layout_checks
-from parallama.parallel.dims import ParallelDims
 
 CP = ["strategy=model_parallel", "trainer.accelerator=cpu", "trainer.devices=2", "strategy.cp=2"]
 BAD = [

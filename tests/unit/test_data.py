@@ -37,7 +37,7 @@ from parallama.data import (
 from parallama.data.cache import CacheEntry
 from parallama.data.datamodule import _source_key
 from parallama.data.progress import Progress
-from parallama.data.tokenizer import CHUNK_CHARS, SPECIALS, UNK, chunks, splits_safely
+from parallama.tokenizer import CHUNK_CHARS, SPECIALS, UNK, chunks, splits_safely
 
 TRICKY = [
     "",

@@ -3,8 +3,8 @@
 import pytest
 
 from parallama import CONF_DIR
+from parallama.app.compose import preflight
 from parallama.cli import evaluate, train
-from parallama.config.compose import preflight
 from parallama.errors import ConfigError
 
 CASES = [  # (tool, overrides, what the one line must say)

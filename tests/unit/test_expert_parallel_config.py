@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
+from parallama.distributed.dims import ParallelDims
 from parallama.errors import ConfigError
-from parallama.parallel.dims import ParallelDims
-from parallama.parallel.experts import batch_ranks
+from parallama.models.moe_parallel import batch_ranks
 
 MOE = ["strategy=model_parallel", "trainer.accelerator=cpu", "model=qwen3_moe_tiny"]
 

@@ -1,4 +1,4 @@
-"""float8 training through torchao (parallel/float8.py), emulated on CPU: the blocks' linears only, the same
+"""float8 training through torchao (distributed/float8.py), emulated on CPU: the blocks' linears only, the same
 parameter names, a loss close to (not equal to) full precision's, and training that lowers it."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 from omegaconf import OmegaConf
 
 from parallama import CONF_DIR as CONF
+from parallama.distributed.float8 import apply_float8
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.float8 import apply_float8
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 IDS = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -91,8 +91,8 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     ],
 )
 def test_auto_converts_only_the_linears_torchaos_filter_says_gain(recipe, kept):
+    from parallama.distributed.float8 import converted_linears, float8_note
     from parallama.models import model_spec
-    from parallama.parallel.float8 import converted_linears, float8_note
 
     fields = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "llama3_2_1b.yaml"))
     fields["num_hidden_layers"] = 2
@@ -107,13 +107,15 @@ def test_auto_converts_only_the_linears_torchaos_filter_says_gain(recipe, kept):
 
 
 def test_a_model_too_small_to_gain_is_said_in_one_line():
-    from parallama.parallel.float8 import float8_note
+    from parallama.distributed.float8 import float8_note
 
     with torch.device("meta"):
         small = Llama(LlamaConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 3072}))
         tiny = Llama(LlamaConfig(**CONFIG))
     note = float8_note(small, "tensorwise", "auto", 768)
-    assert note.startswith("float8=tensorwise: model.hidden_size=768 < 2048 is too small") and "\n" not in note
+    assert (
+        note.startswith("float8=tensorwise: model.hidden_size=768 < 2048 is too small") and "\n" not in note
+    )
     assert "4 of 14 block linears converted" in note  # gate and up (768 -> 3072) in each of 2 blocks
     assert "keeps none of the 14 block linears" in float8_note(tiny, "tensorwise", "auto", 32)
     assert "14 of 14" in float8_note(tiny, "tensorwise", "all", 32)

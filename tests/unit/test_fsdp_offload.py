@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallama.parallel.blocks import apply_fsdp
+from parallama.distributed.blocks import apply_fsdp
 from parallama.parallel.strategies.fsdp import FSDP2
 from parallama.training.module import CausalLM
 

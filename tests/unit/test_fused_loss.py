@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
 from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
@@ -191,6 +191,7 @@ def test_the_compiled_chunk_step_equals_the_eager_one():
     once for the chunk length and once more, with the length dynamic, for a shorter last chunk, it gives the eager loss and gradient of bf16 logits (autocast's), with label
     smoothing, z-loss, masked columns and ignored labels."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # this process may have compiled other graphs before
     torch.manual_seed(0)
     for tokens in (40, 13, 7):  # a chunk, then a batch's last, shorter ones
         labels = torch.randint(0, 250, (tokens,))

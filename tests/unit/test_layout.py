@@ -37,7 +37,7 @@ def test_nothing_private_of_another_library_outside_compat():
 
 def test_the_command_line_side_loads_neither_torch_nor_lightning():
     tools = ["train", "prepare", "evaluate", "export", "generate", "plan", "ckpt"]
-    code = "; ".join(f"import parallama.cli.{t}" for t in tools) + "; import parallama.config.checks"
+    code = "; ".join(f"import parallama.cli.{t}" for t in tools) + "; import parallama.app.checks"
     code += "; import sys; print(sorted(m for m in ('torch', 'lightning', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

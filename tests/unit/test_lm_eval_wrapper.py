@@ -12,12 +12,12 @@ from conftest import SMALL_LLAMA
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from parallama.data.tokenizer import byte_level
 from parallama.errors import ConfigError
 from parallama.evaluation import tasks as embedded
 from parallama.evaluation.harness import evaluate, task_manager
 from parallama.evaluation.lm import ParallamaLM
 from parallama.models import model_spec
+from parallama.tokenizer import byte_level
 
 
 @pytest.fixture(scope="module")

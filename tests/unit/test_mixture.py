@@ -14,8 +14,8 @@ import torch
 from parallama.data import EpochIndexSampler, MixtureDataset, PackedDataset, TextDataModule, embedded, files
 from parallama.data.mixture import shares
 from parallama.data.sources import interleave
-from parallama.data.tokenizer import byte_level, train_bpe
 from parallama.errors import ConfigError
+from parallama.tokenizer import byte_level, train_bpe
 
 BASE = {"a": 0, "b": 20_000, "c": 40_000}  # token values name the source: sample j of "b" is token 20_000 + j
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from parallama import CONF_DIR
-from parallama.config.checks import check_config
-from parallama.config.compose import preflight
+from parallama.app.checks import check_config
+from parallama.app.compose import preflight
 from parallama.errors import ConfigError
 
 MP = ["strategy=model_parallel", "trainer.accelerator=cpu"]

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import FSDPOptions, ParallelizeOptions
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
 from parallama.models.llama.parallelize import parallelize
-from parallama.parallel.dims import ParallelDims
-from parallama.parallel.options import FSDPOptions, ParallelizeOptions
 from parallama.parallel.strategies.model_parallel import FullLogits, clip_grad_norm_, full_copy
 
 CONFIG = dict(

@@ -9,8 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
-from parallama.config.checks import check_config
-from parallama.config.compose import preflight
+from parallama.app.checks import check_config
+from parallama.app.compose import preflight
 from parallama.errors import ConfigError
 from parallama.training.module import CausalLM
 from parallama.training.schedules import warmup_cosine

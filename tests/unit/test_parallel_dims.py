@@ -3,8 +3,8 @@
 import pytest
 from omegaconf import OmegaConf
 
+from parallama.distributed.dims import ParallelDims, dims_of_config
 from parallama.errors import ConfigError
-from parallama.parallel.dims import ParallelDims, dims_of_config
 
 
 def test_one_dp_size_takes_the_rest_of_the_world():

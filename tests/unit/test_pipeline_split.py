@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
+from parallama.distributed.options import PipelineOptions
+from parallama.distributed.stages import pipeline_split, stage_layers
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.options import PipelineOptions
-from parallama.parallel.stages import pipeline_split, stage_layers
 
 
 def tiny(layers: int, vocab: int = 64, **kw) -> Llama:

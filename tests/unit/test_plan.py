@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from parallama.cli.plan import command, compose, main, plan
+from parallama.distributed.blocks import apply_ac
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.blocks import apply_ac
 from parallama.parallel.plan import estimate, profiles
 
 STRATEGIES = profiles()
@@ -198,7 +198,7 @@ def _live_bytes(model: Llama, ids: torch.Tensor) -> int:
 
 
 def test_selective_checkpointing_is_planned_and_measured_between_none_and_full():
-    from parallama.parallel.options import ACOptions
+    from parallama.distributed.options import ACOptions
 
     tokens, h, i, L = 2 * 128, SMALL.hidden_size, SMALL.intermediate_size, SMALL.num_hidden_layers
     none, full = (
@@ -225,7 +225,7 @@ def test_selective_checkpointing_is_planned_and_measured_between_none_and_full()
 def test_float8_tensorwise_gathers_the_blocks_weights_in_one_byte():
     """FSDP2's float8 all-gather (tensorwise): the gathered blocks' matmul weights take 1 byte, not the compute
     dtype's 2; rowwise, a single process and unsharded strategies are unchanged; activations are unchanged."""
-    from parallama.parallel.dims import ParallelDims
+    from parallama.distributed.dims import ParallelDims
     from parallama.parallel.layouts import Layout, estimate_layout
 
     matmuls, _ = LLAMA3_8B.block_params()

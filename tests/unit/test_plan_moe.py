@@ -13,10 +13,10 @@ from test_plan import saved_bytes
 
 from parallama import CONF_DIR
 from parallama.cli.plan import compose, main, plan
+from parallama.distributed.blocks import apply_ac
+from parallama.distributed.dims import ParallelDims
 from parallama.models.qwen3_moe import Qwen3MoeConfig
 from parallama.models.qwen3_moe.model import Qwen3Moe
-from parallama.parallel.blocks import apply_ac
-from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layout_checks import check_layout
 from parallama.parallel.layouts import (
     Layout,

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli.plan import compose, main, plan
+from parallama.distributed.dims import ParallelDims
 from parallama.models.llama.config import LlamaConfig
-from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layouts import Layout, candidates, estimate_layout, in_flight, search, stage_params
 from parallama.parallel.plan import estimate
 

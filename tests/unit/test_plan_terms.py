@@ -5,10 +5,10 @@ layouts and through the CLI's config keys."""
 import pytest
 
 from parallama.cli.plan import compose, plan
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import ACOptions
 from parallama.models.llama.config import LlamaConfig
-from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layouts import Layout, estimate_layout
-from parallama.parallel.options import ACOptions
 from parallama.parallel.plan import (
     GIB,
     HEADROOM,
@@ -130,7 +130,7 @@ def test_tensorwise_float8_gathers_the_blocks_weights_in_one_byte():
 def test_float8_gathers_in_one_byte_only_the_linears_its_filter_converts():
     """float8_filter=auto keeps Llama-3.2-1B's k/v projections (2048 -> 512) in bf16 (torchao's tensorwise
     filter): they are gathered in 2 bytes, the other block matmuls in 1; `all` gathers every one in 1."""
-    from parallama.parallel.float8 import converted_share
+    from parallama.distributed.float8 import converted_share
 
     c = LLAMA_1B
     fields = {

@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from parallama import CONF_DIR
 from parallama.cli.plan import compose, plan
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import ParallelizeOptions
 from parallama.errors import ConfigError
 from parallama.models import model_spec, spec_for_hf_folder
 from parallama.models.llama.config import LlamaConfig
@@ -27,9 +29,7 @@ from parallama.models.llama.parallelize import parallelize as llama_parallelize
 from parallama.models.qwen3 import Qwen3Config
 from parallama.models.qwen3.model import Qwen3, Qwen3Attention
 from parallama.models.qwen3.parallelize import qwen3_block_plan
-from parallama.parallel.dims import ParallelDims
 from parallama.parallel.layouts import stage_params
-from parallama.parallel.options import ParallelizeOptions
 
 SHAPE = {**LLAMA_SHAPE, "head_dim": 24}  # head_dim 24 != hidden_size / num_attention_heads = 16: its own
 

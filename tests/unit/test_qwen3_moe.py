@@ -124,7 +124,7 @@ def test_parallama_plan_counts_total_and_active_and_what_ep_gathers():
     """Total and active parameters; under tp the experts whole on every rank; under ep an FSDP rank gathers
     E/ep of a block's experts (the working set's two blocks)."""
     from parallama.cli.plan import compose, plan
-    from parallama.parallel.dims import ParallelDims
+    from parallama.distributed.dims import ParallelDims
     from parallama.parallel.layouts import Layout, estimate_layout, stage_params
 
     args = ["model=qwen3_moe_30b_a3b", "trainer.devices=8", "strategy=model_parallel", "strategy.ep=8"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from parallama import CONF_DIR
-from parallama.config.compose import preflight
+from parallama.app.compose import preflight
 from parallama.errors import ConfigError
 from parallama.training.loss import CrossEntropy
 from parallama.training.schedules import Constant, WarmupCosine, WarmupStableDecay

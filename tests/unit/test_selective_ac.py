@@ -1,4 +1,4 @@
-"""Selective activation checkpointing (parallel/blocks.py `apply_ac`): each mode computes the gradients of no
+"""Selective activation checkpointing (distributed/blocks.py `apply_ac`): each mode computes the gradients of no
 checkpointing, and what it saves and recomputes lies between none and full, measured on a bare model."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallama.distributed.blocks import apply_ac
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
-from parallama.parallel.blocks import apply_ac
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
 MODES = {  # name: apply_ac's arguments
@@ -111,8 +111,8 @@ def test_the_config_reaches_the_plan(overrides, matmuls):
     from omegaconf import OmegaConf
 
     from parallama import CONF_DIR
+    from parallama.app.run import activation_checkpointing
     from parallama.training.module import CausalLM
-    from parallama.training.run import activation_checkpointing
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "model.vocab_size=64", *overrides])

@@ -71,8 +71,8 @@ def load_model(ckpt_path: str | None = None, model_dir: str | None = None):
     the tools that run a model (generate, evaluate)."""
     from tokenizers import Tokenizer
 
-    from parallama.data.tokenizer import from_pretrained
     from parallama.models import spec_for_hf_folder
+    from parallama.tokenizer import from_pretrained
 
     if model_dir is not None:
         spec = spec_for_hf_folder(model_dir)

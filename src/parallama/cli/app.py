@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from parallama import CONF_DIR
-from parallama.config.compose import compose_tool, preflight
+from parallama.app.compose import compose_tool, preflight
 from parallama.errors import EXIT_BAD_INPUT, ConfigError, exit_status
 
 log = logging.getLogger("parallama")

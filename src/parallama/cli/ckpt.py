@@ -1,5 +1,5 @@
 """`parallama-ckpt convert src=<checkpoint> out=<path> [format=file|dcp|deepspeed]`: any strategy's training
-checkpoint in another format (checkpoint/convert.py). A Hydra app (conf/ckpt.yaml)."""
+checkpoint in another format (app/convert.py). A Hydra app (conf/ckpt.yaml)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.rules import Rule, check_keys, key, show
 from parallama.errors import ConfigError
+from parallama.rules import Rule, check_keys, key, show
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")  # as the Trainer names them
 DEEPSPEED_ONLY = ("devices", "stage", "offload", "precision")
@@ -19,7 +19,7 @@ DEEPSPEED_ONLY = ("devices", "stage", "offload", "precision")
 
 @dataclass
 class Convert:
-    """The tool's keys, their defaults and the valid values of those that hold for every format (config/rules.py
+    """The tool's keys, their defaults and the valid values of those that hold for every format (rules.py
     `key`); what only format=deepspeed takes is checked below."""
 
     conf: ClassVar[str] = "ckpt.yaml"
@@ -51,7 +51,7 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def convert(cfg: DictConfig) -> None:
-    from parallama.checkpoint.convert import convert
+    from parallama.app.convert import convert
 
     convert(cfg)
 

@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
-from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
+from parallama.rules import Rule, check_keys, key
 
 DATA_CONF = CONF_DIR / "data"
 
@@ -115,7 +115,7 @@ def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
         # whole or not at all: ranks may write it at once
         save_atomic(str(tok_file), lambda f: f.write(ckpt.tokenizer_json.encode()))
         data.tokenizer = {
-            "_target_": "parallama.data.tokenizer.from_pretrained",
+            "_target_": "parallama.tokenizer.from_pretrained",
             "_partial_": True,
             "name_or_path": str(tok_file),
         }
@@ -192,7 +192,7 @@ def source_alias(argv: list[str]) -> list[str]:
 @dataclass
 class Evaluate:
     """The tool's own keys (beside the data, tokenizer, trainer and paths groups it shares with training), their
-    defaults and valid values (config/rules.py `key`)."""
+    defaults and valid values (rules.py `key`)."""
 
     conf: ClassVar[str] = "eval.yaml"
 

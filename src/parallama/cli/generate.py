@@ -10,13 +10,13 @@ from typing import ClassVar
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.rules import Rule, check_keys, key
 from parallama.errors import ConfigError
+from parallama.rules import Rule, check_keys, key
 
 
 @dataclass
 class Generate:
-    """The tool's keys, their defaults and valid values (config/rules.py `key`)."""
+    """The tool's keys, their defaults and valid values (rules.py `key`)."""
 
     conf: ClassVar[str] = "generate.yaml"
 
@@ -42,8 +42,8 @@ def generate_text(cfg: DictConfig | list[str]) -> str:
     import torch
 
     from parallama.checkpoint.read import load_model
-    from parallama.data.tokenizer import special_ids
     from parallama.models.generation import generate
+    from parallama.tokenizer import special_ids
 
     if isinstance(cfg, list):
         cfg = app.compose("generate", cfg, check, list_keys=True)

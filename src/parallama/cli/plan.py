@@ -10,14 +10,13 @@ from typing import ClassVar
 
 from omegaconf import DictConfig
 
+from parallama.app.compose import compose_tool
 from parallama.cli import app
-from parallama.config.compose import compose_tool
-from parallama.config.rules import Rule, check_keys, key
+from parallama.distributed.dims import dims_of_config, processes_per_node
+from parallama.distributed.options import ACOptions, stages_per_rank
 from parallama.errors import ConfigError
 from parallama.models import model_spec
-from parallama.parallel.dims import dims_of_config, processes_per_node
 from parallama.parallel.layouts import Layout, estimate_layout, search
-from parallama.parallel.options import ACOptions, stages_per_rank
 from parallama.parallel.plan import (
     FP32,
     GIB,
@@ -31,6 +30,7 @@ from parallama.parallel.plan import (
     profiles,
     recommend,
 )
+from parallama.rules import Rule, check_keys, key
 
 
 def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] | None = None) -> dict:
@@ -72,7 +72,9 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     def how(c):
         return selective if c == "selective" else c
 
-    from parallama.parallel.float8 import converted_share  # torch: the command line's start stays without it
+    from parallama.distributed.float8 import (
+        converted_share,  # torch: the command line's start stays without it
+    )
 
     float8 = cfg.get("float8")
     terms = dict(
@@ -257,7 +259,7 @@ def show(result: dict) -> None:
 
 @dataclass
 class Plan:
-    """The tool's own keys (the rest is the training config), their defaults and valid values (config/rules.py
+    """The tool's own keys (the rest is the training config), their defaults and valid values (rules.py
     `key`)."""
 
     conf: ClassVar[str] = "plan.yaml"

@@ -23,10 +23,10 @@ import hydra
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.config.rules import Rule, check_keys, check_values, key
 from parallama.config.schema import train_rules
 from parallama.data.cache import STEPS
 from parallama.errors import ConfigError
+from parallama.rules import Rule, check_keys, check_values, key
 
 log = logging.getLogger("parallama")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("parallama")
 @dataclass
 class Prepare:
     """The tool's own keys (`prepare.*`; the rest is the training config), their defaults and valid values
-    (config/rules.py `key`)."""
+    (rules.py `key`)."""
 
     conf: ClassVar[str] = "prepare.yaml:prepare"
 

@@ -1,5 +1,5 @@
 """`parallama-train` (or `python -m parallama.train`): check the command line's config, then run the training job
-(training/run.py) as a Hydra app (conf/train.yaml), or a sweep's jobs (`-m`, or a preset that asks for one), as
+(app/run.py) as a Hydra app (conf/train.yaml), or a sweep's jobs (`-m`, or a preset that asks for one), as
 many at once as the devices allow (parallama.sweeps). Returns the final `optimized_metric` to the sweeper (Optuna minimizes it)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from parallama.errors import ConfigError, TrainingDiverged
 
 def train_job(cfg: DictConfig) -> float | None:
     """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize."""
+    from parallama.app.run import train
     from parallama.checkpoint.resume import last_checkpoint_note
     from parallama.runtime import faults
     from parallama.training.loggers import finish_wandb_run
-    from parallama.training.run import train
 
     try:
         metrics, _ = train(cfg)
@@ -60,7 +60,7 @@ def setup() -> None:
 
 
 def check(cfg: DictConfig, hardware: bool) -> None:
-    from parallama.config.checks import check_config
+    from parallama.app.checks import check_config
 
     check_config(cfg, hardware=hardware)
 

@@ -18,16 +18,16 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from parallama.config.rules import Check, Rule, check_value, key, rules
-from parallama.parallel.dims import DP_SIZE, SIZE
-from parallama.parallel.options import (
+from parallama.distributed.dims import DP_SIZE, SIZE
+from parallama.distributed.options import (
     AC_MODES,
     AC_POLICY_RULES,
     COMPILE_MODES,
     FLOAT8_FILTERS,
     FLOAT8_RECIPES,
 )
-from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
+from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
+from parallama.rules import Check, Rule, check_value, key, rules
 
 
 def _devices(value) -> bool:
@@ -286,7 +286,7 @@ class ModelParallel(FSDP):
     tp: int = key(1, SIZE)
     pp: int = key(1, SIZE)
     cp: int = key(1, SIZE)
-    ep: int = key(1, SIZE)  # expert parallelism: ranks borrowed from dp_shard (parallel/dims.py)
+    ep: int = key(1, SIZE)  # expert parallelism: ranks borrowed from dp_shard (distributed/dims.py)
     sequence_parallel: bool = key(False, BOOL)
     pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
     pp_microbatches: int | None = key(None, SOME)
@@ -306,7 +306,7 @@ SCHEMA: dict[str, type | dict[str, type]] = {
         "parallama.data.sources.files": FilesSource,
         "parallama.data.sources.hub": HubSource,
     },
-    "tokenizer": {"parallama.data.tokenizer.train_bpe": BPETokenizer},
+    "tokenizer": {"parallama.tokenizer.train_bpe": BPETokenizer},
     "trainer": Trainer,
     "optimizer": Optimizer,
     "callbacks.last_checkpoint": LastCheckpoint,

@@ -25,7 +25,7 @@ _WHERE = {
             "special_ids",
             "train_bpe",
         ),
-        "tokenizer",
+        "parallama.tokenizer",  # the package's root: models and the toolkit read its conventions too
     ),
 }
 __all__ = sorted(_WHERE)
@@ -34,4 +34,5 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    where = _WHERE[name]
+    return getattr(import_module(where if "." in where else f"{__name__}.{where}"), name)

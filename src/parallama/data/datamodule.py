@@ -25,8 +25,8 @@ from parallama.data.index import SPLITS
 from parallama.data.mixture import EpochIndexSampler, MixtureDataset
 from parallama.data.position import TrainPosition, saved_position
 from parallama.data.sources import interleave, mixture_key, mixture_sources, named
-from parallama.data.tokenizer import SpecialIds, byte_level, special_ids
 from parallama.errors import ConfigError
+from parallama.tokenizer import SpecialIds, byte_level, special_ids
 
 # What each source of a mixture shares with the mixture's data module (`parts`)
 PART_SETTINGS = (

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from parallama.data.tokenizer import SpecialIds
+from parallama.tokenizer import SpecialIds
 
 IGNORE_INDEX = -100  # label value skipped by torch.nn.functional.cross_entropy
 

@@ -28,7 +28,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from parallama.data.shards import tmp_name, write_json
-from parallama.data.tokenizer import encode_documents
+from parallama.tokenizer import encode_documents
 
 log = logging.getLogger("parallama")
 

@@ -121,7 +121,7 @@ files.num_documents = _files_count
 
 def check_paths(paths: str | list[str]) -> list[str]:
     """Expand the patterns, check what can be checked without reading: existence, type, extension, size (also
-    the preflight's check of `data.source.paths`, config/checks.py)."""
+    the preflight's check of `data.source.paths`, app/checks.py)."""
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
         raise ConfigError("data.source.paths is empty; give a file, a glob or a list of them")

@@ -27,8 +27,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tokenizers import Tokenizer
 
-from parallama.data.tokenizer import special_ids
 from parallama.errors import ConfigError
+from parallama.tokenizer import special_ids
 
 
 @register_model("parallama")

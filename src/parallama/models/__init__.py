@@ -23,7 +23,7 @@ What the rest of parallama asks of a family (see models/llama/ for the reference
   `forward(input_ids, attention_mask=None, *, position_ids=None, document_ids=None, input_pos=None,
   kv_cache=None) -> logits`, `init_weights()`, `new_kv_cache(batch, max_len)` (see `models.generation`), its
   blocks in `layers` and the names of its `input_modules`, `output_modules` and `shared_modules`, by which
-  parallel/blocks.py and parallel/stages.py checkpoint, compile, shard and split any family;
+  distributed/blocks.py and distributed/stages.py checkpoint, compile, shard and split any family;
 - `parallelize(model, options)`: apply the strategy's `parallel.ParallelizeOptions` in the documented order; a
   parameter its tensor-parallel plan does not cover is refused in one line, never trained as a plain tensor;
 - optionally, HF conversion (export, init_from, generating from an exported folder): `save_hf_folder` (refusing

@@ -1,7 +1,7 @@
 """The model-family contract, typed: what parallama's generic code asks of a family's model and config, checked
 when a model is built (`check_model`) and a config is read (`check_config`), one line naming what a family lacks.
 
-Generic code (parallel/blocks.py: checkpointing, compile, FSDP; parallel/stages.py: pipeline stages; generation;
+Generic code (distributed/blocks.py: checkpointing, compile, FSDP; distributed/stages.py: pipeline stages; generation;
 the planner and the tools) uses these names only, never a family's own: a decoder is an input end, a keyed run of
 blocks and an output end.
 """

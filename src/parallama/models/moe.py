@@ -7,7 +7,7 @@ to it, sorted by expert (`torch._grouped_mm`); `MoE` routes, sorts, combines and
 Parameter names follow Hugging Face's Qwen3-MoE (`mlp.gate.weight`, `mlp.experts.gate_up_proj` (E, 2I, H),
 `mlp.experts.down_proj` (E, H, I)), so a block maps 1:1 onto transformers' fused expert tensors.
 
-Expert parallelism (parallel/experts.py) shards the experts' first dimension over ranks and wraps
+Expert parallelism (models/moe_parallel.py) shards the experts' first dimension over ranks and wraps
 `GroupedExperts.forward` in an all-to-all dispatch and combine; nothing here knows about it, except that a weight
 may arrive as a DTensor, whose local shard is this rank's experts, and that the experts' call runs in
 `MoE.experts_context` (set there under per-op selective checkpointing).
@@ -134,11 +134,11 @@ class MoE(nn.Module):
     tokens routed to e, summing to top_k; P_e: e's mean probability), Hugging Face's normalization, per block.
     z_loss_coef: weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)."""
 
-    # The process group whose ranks hold other tokens (parallel/experts.py); None: this rank alone
+    # The process group whose ranks hold other tokens (models/moe_parallel.py); None: this rank alone
     count_group = None
     # In a pipeline stage: its losses added in backward (`add_losses_in_backward`)
     stage: StageLosses | None = None
-    # What the experts' call runs in (parallel/experts.py: outside per-op selective checkpointing under ep)
+    # What the experts' call runs in (models/moe_parallel.py: outside per-op selective checkpointing under ep)
     experts_context = contextlib.nullcontext
 
     def __init__(

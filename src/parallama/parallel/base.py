@@ -27,8 +27,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
-from parallama.parallel.dims import ParallelDims
-from parallama.parallel.options import Float8Options, ParallelizeOptions
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import Float8Options, ParallelizeOptions
 
 log = logging.getLogger("parallama")
 
@@ -41,7 +41,7 @@ class Parallelism:
     memory_profiles: ClassVar[tuple] = ()  # parallel.plan.MemoryProfile
     reruns_the_command: ClassVar[bool] = True  # its ranks run this job's command (not spawned by Lightning)
     _universal_loaded = False
-    float8: str | None = None  # `float8` of conf/train.yaml (parallel/float8.py), set by parallama-train
+    float8: str | None = None  # `float8` of conf/train.yaml (distributed/float8.py), set by parallama-train
     float8_filter: str = "auto"  # `float8_filter`: which block linears it converts
 
     # --- the device mesh --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What each dimension of a model_parallel layout needs of the model, the data and the schedule, checked with the
-rest of the config before any work (config/checks.py calls `check_layout`): tensor parallelism splits heads, the
+rest of the config before any work (app/checks.py calls `check_layout`): tensor parallelism splits heads, the
 MLP and the vocabulary; context parallelism two chunks of each sequence per rank; a pipeline its layers into
 stages and its batch into microbatches. Each failure is one line naming the keys. No torch import.
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from parallama.distributed.dims import dims_of_config
+from parallama.distributed.options import FORWARDS_FIRST, SINGLE_STAGE, V_SHAPED, stages_per_rank
+from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
 from parallama.errors import ConfigError
-from parallama.parallel.dims import dims_of_config
-from parallama.parallel.options import FORWARDS_FIRST, SINGLE_STAGE, V_SHAPED, stages_per_rank
-from parallama.parallel.options import SCHEDULES as PIPELINE_SCHEDULES
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from parallama.parallel.dims import ParallelDims
-from parallama.parallel.options import ZERO_BUBBLE
+from parallama.distributed.dims import ParallelDims
+from parallama.distributed.options import ZERO_BUBBLE
 from parallama.parallel.plan import (
     FP32,
     Estimate,

@@ -148,7 +148,7 @@ def activation_bytes(
     the residual stream. The projections' inputs (and the head's) are gathered whole under either.
     `head=False`: the blocks only (a pipeline stage without the head).
     """
-    from parallama.parallel.options import ACOptions
+    from parallama.distributed.options import ACOptions
 
     ac = ACOptions.of(checkpointing)
     h, i, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
@@ -232,7 +232,7 @@ def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, 
     saved ops) where the dense one kept gate and up, plus one block recomputing. Under ep (> 1) one block's
     dispatch and combine hold a send and a receive buffer of k h e per token at once (balanced routing: a rank
     receiving c times its share holds c times the receive buffer)."""
-    from parallama.parallel.options import ACOptions
+    from parallama.distributed.options import ACOptions
 
     sparse = sparse_blocks(c)
     if not sparse:
@@ -259,7 +259,7 @@ def float8_gathered(
     c, how: str, e: int, float8: str | None, blocks: int | None = None, float8_share: float = 1.0
 ) -> int:
     """Bytes float8 saves in FSDP2's gathered parameters: under the tensorwise recipe the blocks' converted matmul
-    weights (`float8_share` of them: parallel/float8.py `converted_share`) are all-gathered in float8 (1 byte, not
+    weights (`float8_share` of them: distributed/float8.py `converted_share`) are all-gathered in float8 (1 byte, not
     `e`); rowwise gathers them in the high precision (0 saved). The saved activations are unchanged: torchao's
     Float8Linear keeps its input and weight for backward in the high precision and casts them again. `blocks`: how
     many are gathered (default: `how`'s, all or 2)."""

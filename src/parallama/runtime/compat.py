@@ -123,7 +123,7 @@ INTERNALS = [
         "torch.utils.checkpoint",
         ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"),
         "per-op selective checkpointing requires the recomputation to run the forward's ops; the experts' own FSDP "
-        "hooks under strategy.ep run others, so their call leaves its dispatch modes (parallel/experts.py) and is "
+        "hooks under strategy.ep run others, so their call leaves its dispatch modes (models/moe_parallel.py) and is "
         "recomputed whole (with torch.utils._python_dispatch's _disable_current_modes and "
         "_get_current_dispatch_mode_stack)",
         "a public way to exclude a region from selective activation checkpointing's op matching",
@@ -285,7 +285,7 @@ def zero_partitions(zero) -> list[tuple[int, Tensor, list]]:
     raise deepspeed_changed(f"the flat fp32 partitions of {type(zero).__name__}")
 
 
-# --- context parallel (parallel/context.py) ------------------------------------------------------------------
+# --- context parallel (distributed/context.py) ------------------------------------------------------------------
 
 
 def batch_progress(trainer):
@@ -348,7 +348,7 @@ def enable_cpu_ring_attention() -> None:
     cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = backward
 
 
-# --- pipeline parallel (parallel/pipeline.py) ----------------------------------------------------------------
+# --- pipeline parallel (distributed/pipeline.py) ----------------------------------------------------------------
 
 
 @contextmanager

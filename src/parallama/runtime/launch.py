@@ -25,7 +25,7 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
-from parallama.config.compose import CHECKED_ENV
+from parallama.app.compose import CHECKED_ENV
 
 _ranks: list[subprocess.Popen] = []  # the ranks this process started for the job under way
 

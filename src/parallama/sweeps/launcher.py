@@ -30,8 +30,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, ListConfig, open_dict
 
+from parallama.distributed.dims import processes_per_node, uses_gpu
 from parallama.errors import ConfigError
-from parallama.parallel.dims import processes_per_node, uses_gpu
 from parallama.runtime.launch import JOB_CORES_ENV, JOB_RETURN_ENV, free_port, job_command
 
 log = logging.getLogger(__name__)

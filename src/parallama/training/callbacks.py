@@ -155,7 +155,7 @@ class PreemptionCheckpoint(Callback):
         self._checked_step: int | None = None
         self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
         self._requeued = False  # the requeue signal came: SLURM's SIGTERM follows (`_restore`)
-        # a single device's strategy holds no cluster environment: training/run.py gives the run's SLURM one here
+        # a single device's strategy holds no cluster environment: app/run.py gives the run's SLURM one here
         self.slurm_environment: SLURMEnvironment | None = None
         global _stop_signal
         _stop_signal = 0  # a new run
@@ -300,11 +300,11 @@ class ValidationTokens(Callback):
 
 
 class Float8Scales(Callback):
-    """float8 under FSDP2's float8 all-gather (parallel/float8.py): after each optimizer step, the weights' scales
+    """float8 under FSDP2's float8 all-gather (distributed/float8.py): after each optimizer step, the weights' scales
     for the next all-gather, computed at once (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`); a no-op
     for a model without such weights. parallama-train adds it when `float8` is set."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from parallama.parallel.float8 import precompute_scales
+        from parallama.distributed.float8 import precompute_scales
 
         precompute_scales(pl_module.model)

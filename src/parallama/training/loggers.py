@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
+from parallama.app.checks import wandb_api_key_configured
 from parallama.checkpoint.formats import client_state
-from parallama.config.checks import wandb_api_key_configured
 from parallama.errors import ConfigError
 from parallama.training.callbacks import stop_signal
 

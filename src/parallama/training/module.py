@@ -15,12 +15,12 @@ from torchmetrics import MeanMetric, Metric
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.config.parts import instantiate_part
 from parallama.data.datasets import IGNORE_INDEX
+from parallama.distributed.context import ContextParallelStep
+from parallama.distributed.options import compile_enabled
 from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
 from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
-from parallama.parallel.context import ContextParallelStep
-from parallama.parallel.options import compile_enabled
 from parallama.training import syncs
 from parallama.training.loss import fuses
 from parallama.training.muon import mark_hidden_matrices

@@ -1,6 +1,6 @@
 """What a training job tells its user: the config it runs (printed, and kept as resolved_config.yaml), what
 switches validation off, and at the end where its checkpoints and logs are, its final metrics and a sample;
-Lightning's console lines once. The job itself is training/run.py."""
+Lightning's console lines once. The job itself is app/run.py."""
 
 from __future__ import annotations
 

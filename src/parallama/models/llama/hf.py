@@ -21,10 +21,10 @@ from tokenizers.processors import TemplateProcessing
 from torch import Tensor
 
 from parallama.checkpoint.read import load_state_into
-from parallama.data.tokenizer import UNK, special_ids
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
+from parallama.tokenizer import UNK, special_ids
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -279,7 +279,7 @@ class Llama(nn.Module):
         """The head on the final hidden states (``forward(..., hidden_states=True)``): the logits, or with
         ``loss`` (a function of the hidden states and the head module) what it returns: the fused loss computes the
         head's matmul with the cross-entropy, chunk by chunk (training/loss.py), on the head as it is (unpadded).
-        A method of its own, so that FSDP runs it under its hooks (parallel/blocks.py)."""
+        A method of its own, so that FSDP runs it under its hooks (distributed/blocks.py)."""
         return self.logits(hidden) if loss is None else loss(hidden, self.lm_head)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 the strategy asks (`parallel.ParallelizeOptions`) in a fixed order, each step an `apply_*` function with explicit
 arguments:
 
-0. float8 (`apply_float8`, parallel/float8.py): the blocks' linears become torchao Float8Linears;
+0. float8 (`apply_float8`, distributed/float8.py): the blocks' linears become torchao Float8Linears;
 1. tensor parallel (`apply_tp`, on the mesh's `tp` dimension): weights become DTensors split across tp ranks,
    optionally with sequence parallel between the blocks;
 2. activation checkpointing (`apply_ac`): each block's forward, including its TP communication, is recomputed
@@ -11,10 +11,10 @@ arguments:
 4. FSDP2 (`apply_fsdp`) on the data-parallel mesh: `dp_shard` (FSDP), or (dp_replicate, dp_shard) (HSDP: shard
    within a group, replicate across groups); a TP weight becomes a 2-D DTensor (dp_shard, tp).
 Sharding wraps what runs, so FSDP comes last (it gathers what TP and compile expect to see). With a pipeline the
-model is first split into this rank's stages (parallel/stages.py) and the rest applies to each stage.
+model is first split into this rank's stages (distributed/stages.py) and the rest applies to each stage.
 
 Only tensor parallelism is the Llama's own here (which projection splits how); checkpointing, compile, FSDP and
-the stage split are generic over the model contract (parallel/blocks.py, parallel/stages.py). The model in
+the stage split are generic over the model contract (distributed/blocks.py, distributed/stages.py). The model in
 model.py stays plain PyTorch; every block is the unit of checkpointing, compilation and sharding. No Lightning
 here: bench/gpu.py and tests call the functions on a bare model.
 """
@@ -24,11 +24,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from parallama.distributed.blocks import apply_ac, apply_compile, apply_fsdp, check_tp_plan_covers
+from parallama.distributed.float8 import apply_float8, float8_tp_style
+from parallama.distributed.options import ParallelizeOptions
+from parallama.distributed.stages import parallelize_pipeline
 from parallama.models.llama.model import Llama
-from parallama.parallel.blocks import apply_ac, apply_compile, apply_fsdp, check_tp_plan_covers
-from parallama.parallel.float8 import apply_float8, float8_tp_style
-from parallama.parallel.options import ParallelizeOptions
-from parallama.parallel.stages import parallelize_pipeline
 
 
 def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockPlan | None = None) -> Llama:
@@ -72,8 +72,8 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
 
 def data_parallel_mesh(options: ParallelizeOptions):
     """The mesh FSDP shards over: `dp_shard`, or the 2-D (dp_replicate, dp_shard) of HSDP; with context parallel
-    the cp ranks are folded into dp_shard (they average their gradients too: parallel/context.py)."""
-    from parallama.parallel.context import data_parallel_mesh as with_cp
+    the cp ranks are folded into dp_shard (they average their gradients too: distributed/context.py)."""
+    from parallama.distributed.context import data_parallel_mesh as with_cp
 
     return with_cp(options.mesh, options.dims)
 
@@ -146,7 +146,7 @@ def apply_tp(
     reduce-scatter at their output. Needs the sequence length to divide by tp (training and validation; not
     token-by-token decoding, see ModelParallel.inference_model).
 
-    `float8`: the blocks' linears are torchao Float8Linears (parallel/float8.py): their column- and row-wise
+    `float8`: the blocks' linears are torchao Float8Linears (distributed/float8.py): their column- and row-wise
     styles become torchao's float8 ones.
 
     `block_plan` gives each block's plan (a family's own: models/qwen3). Every parameter must then be a DTensor

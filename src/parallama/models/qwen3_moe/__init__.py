@@ -1,7 +1,7 @@
 """The Qwen3-MoE family (e.g. Qwen3-30B-A3B): Qwen3's attention (QK-norm) with a mixture-of-experts feed-forward
 (models/moe.py) in every `decoder_sparse_step`-th block outside `mlp_only_layers`, the Llama's SwiGLU MLP in the
 others. Built from the qwen3 and llama parts: this file (`Qwen3MoeConfig`, `SPEC`), model.py (the block that
-picks its feed-forward), parallelize.py (qwen3's plan, the experts sharded by parallel/experts.py) and hf.py
+picks its feed-forward), parallelize.py (qwen3's plan, the experts sharded by models/moe_parallel.py) and hf.py
 (Hugging Face folders: per-expert tensors on disk, fused in memory).
 """
 

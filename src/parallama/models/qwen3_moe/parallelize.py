@@ -2,15 +2,15 @@
 the mixture of experts whole on every tp rank: its input, the residual stream, is whole there (gathered first
 under sequence parallel, and its output split on the sequence again), so every tp rank computes the same tokens
 and the same gradients. Before that the routers learn which ranks hold other tokens (their load-balancing counts
-add up over those), and with `strategy.ep` > 1 the experts are sharded over the ep ranks (parallel/experts.py).
+add up over those), and with `strategy.ep` > 1 the experts are sharded over the ep ranks (models/moe_parallel.py).
 """
 
 from __future__ import annotations
 
 from parallama.models.llama.parallelize import REPLICATED
 from parallama.models.llama.parallelize import parallelize as llama_parallelize
+from parallama.models.moe_parallel import apply_ep, set_count_group
 from parallama.models.qwen3.parallelize import qwen3_block_plan
-from parallama.parallel.experts import apply_ep, set_count_group
 
 
 def moe_block_plan(*, sequence_parallel: bool, between) -> dict:

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from parallama.distributed.dims import processes_per_node
 from parallama.parallel.base import Parallelism
-from parallama.parallel.dims import processes_per_node
 from parallama.parallel.plan import MemoryProfile
 
 

@@ -103,7 +103,7 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
 
     def build_optimizer(self, factory, groups: list[dict]):
         """With the optimizer offloaded, DeepSpeed steps on the CPU with its own Adam: the configured Adam or AdamW
-        becomes DeepSpeedCPUAdam with the same settings; any other class is refused (config/checks.py says so
+        becomes DeepSpeedCPUAdam with the same settings; any other class is refused (app/checks.py says so
         before work, `offload_refusal`)."""
         if not self.offload_optimizer:
             return super().build_optimizer(factory, groups)

@@ -14,10 +14,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
 from parallama.config import schema
+from parallama.distributed.float8 import plain_tensors
+from parallama.distributed.options import FSDPOptions, ParallelizeOptions
 from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
-from parallama.parallel.float8 import plain_tensors
-from parallama.parallel.options import FSDPOptions, ParallelizeOptions
 from parallama.parallel.plan import MemoryProfile
 
 FSDP = "strategy=fsdp"
@@ -106,7 +106,7 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         fsdp = FSDPOptions(self.reshard_after_forward, self.mixed_precision, self.cpu_offload)
         return replace(super().parallelize_options(**kwargs), mesh=self.mesh, fsdp=fsdp)
 
-    # float8 with FSDP2's float8 all-gather: checkpoints hold plain tensors (parallel/float8.py `plain_tensors`)
+    # float8 with FSDP2's float8 all-gather: checkpoints hold plain tensors (distributed/float8.py `plain_tensors`)
 
     def lightning_module_state_dict(self) -> dict:
         state = super().lightning_module_state_dict()

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
+from parallama.distributed.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
 from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2
 
@@ -34,7 +34,7 @@ class ModelParallel(FSDP2):
     sequence_parallel: with tp > 1, the norms and the activations between blocks are split on the sequence.
     pp, pp_schedule, pp_microbatches, pp_stages_per_rank: pipeline stages and their schedule.
     cp: context parallel (each sample's sequence split across ranks).
-    ep: expert parallel (a mixture of experts' experts split across ep of the dp_shard ranks: parallel/experts.py).
+    ep: expert parallel (a mixture of experts' experts split across ep of the dp_shard ranks: models/moe_parallel.py).
     """
 
     name = "model_parallel"
@@ -122,7 +122,7 @@ class ModelParallel(FSDP2):
         the schedule runs."""
         model = super().parallelize(model, plan, **kwargs)
         if self.dims.pp > 1:
-            from parallama.parallel.pipeline import Pipeline
+            from parallama.distributed.pipeline import Pipeline
 
             options, pp_group = self.pipeline_options(), self.mesh["pp"].get_group()
             if options.schedule in ZERO_BUBBLE and self.reshard_after_forward:
@@ -187,7 +187,7 @@ class ModelParallel(FSDP2):
     def load_universal(self, state) -> None:
         """A pipeline rank loads its stages' share of the full state (under the same names)."""
         if self.dims.pp > 1:
-            from parallama.parallel.pipeline import local_part
+            from parallama.distributed.pipeline import local_part
 
             state = local_part(state, self.lightning_module)
         super().load_universal(state)

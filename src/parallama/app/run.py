@@ -13,8 +13,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from parallama.config.checks import apply_derived, check_config
-from parallama.config.compose import already_checked
+from parallama.app.checks import apply_derived, check_config
+from parallama.app.compose import already_checked
 from parallama.config.parts import instantiate_part
 from parallama.errors import ConfigError
 from parallama.runtime import faults
@@ -62,8 +62,8 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
     from parallama.checkpoint.resume import check_resume, resolve_ckpt_path
+    from parallama.distributed.dims import processes_per_node
     from parallama.parallel.base import Parallelism
-    from parallama.parallel.dims import processes_per_node
     from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
     from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers, requeue_single_device_jobs
     from parallama.training.loggers import continue_wandb_run
@@ -111,7 +111,9 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
     requeue_single_device_jobs(callbacks, plugins)
     strategy = hydra.utils.instantiate(cfg.strategy)
-    if cfg.get("float8") is not None:  # the blocks' linears in float8 (parallel/float8.py), through the plan
+    if (
+        cfg.get("float8") is not None
+    ):  # the blocks' linears in float8 (distributed/float8.py), through the plan
         from parallama.training.callbacks import Float8Scales
 
         strategy.float8, strategy.float8_filter = cfg.float8, cfg.float8_filter
@@ -160,9 +162,9 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
 
 
 def activation_checkpointing(cfg: DictConfig) -> str | dict:
-    """What the module hands the strategy's plan (parallel/options.py `ACOptions.of`): the mode, and under
+    """What the module hands the strategy's plan (distributed/options.py `ACOptions.of`): the mode, and under
     selective its policy (`activation_checkpointing_policy`), as plain values a checkpoint keeps weights-only."""
-    from parallama.parallel.options import ACOptions
+    from parallama.distributed.options import ACOptions
 
     mode = ACOptions.of(cfg.activation_checkpointing).mode
     if mode != "selective":

@@ -9,7 +9,7 @@ counts data (the sampler, the global batch, tokens seen, throughput and MFU, the
 
 Expert parallelism (`ep`, mixture-of-experts models) is not a dimension of its own: it borrows ranks from
 `dp_shard`, which splits into (`dp_shard // ep`, `ep`), `ep` innermost. The ep ranks of a group hold other tokens
-and each holds 1/ep of every block's experts (parallel/experts.py); the experts' shards are FSDP-sharded over
+and each holds 1/ep of every block's experts (models/moe_parallel.py); the experts' shards are FSDP-sharded over
 the `dp_shard // ep` ranks (and replicated over `dp_replicate`), the other parameters over all of `dp_shard`.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from parallama.config.rules import Rule, check_value
 from parallama.errors import ConfigError
+from parallama.rules import Rule, check_value
 
 # What each size accepts (config/schema.py states the strategy.<dim> keys with these): a dp size may be -1, the
 # ranks the other dimensions leave.

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parallama.config.rules import Rule, check_value
+from parallama.distributed.dims import ParallelDims
 from parallama.errors import ConfigError
-from parallama.parallel.dims import ParallelDims
+from parallama.rules import Rule, check_value
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def stages_per_rank(schedule: str, configured: int | None) -> int:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Pipeline parallelism over the mesh's `pp` dimension (parallel/pipeline.py runs the schedule).
+    """Pipeline parallelism over the mesh's `pp` dimension (distributed/pipeline.py runs the schedule).
 
     schedule: a key of SCHEDULES.
     microbatches: how many slices of the rank's batch go through the pipeline per step.
@@ -94,7 +94,7 @@ AC_POLICY_RULES = {"mode": Rule(str, choices=AC_POLICIES), "every_n": Rule(int, 
 
 @dataclass(frozen=True)
 class ACOptions:
-    """Activation checkpointing (parallel/blocks.py `apply_ac`). `mode`: one of AC_MODES; under selective,
+    """Activation checkpointing (distributed/blocks.py `apply_ac`). `mode`: one of AC_MODES; under selective,
     `policy` (one of AC_POLICIES) and, for every_n, `every_n` (>= 1: blocks n-1, 2n-1, ... are checkpointed)."""
 
     mode: str = "none"
@@ -130,11 +130,11 @@ class ACOptions:
         return self.enabled
 
 
-FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (parallel/float8.py)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (distributed/float8.py)
 FLOAT8_FILTERS = (
     "auto",
     "all",
-)  # which block linears float8 converts (parallel/float8.py `converted_linears`)
+)  # which block linears float8 converts (distributed/float8.py `converted_linears`)
 COMPILE_MODES = ("auto",)  # besides true and false
 
 
@@ -147,7 +147,7 @@ def compile_enabled(setting: bool | str, device_type: str) -> bool:
 
 @dataclass(frozen=True)
 class Float8Options:
-    """float8 training of the blocks' linears (parallel/float8.py): `recipe` tensorwise or rowwise; `emulate`
+    """float8 training of the blocks' linears (distributed/float8.py): `recipe` tensorwise or rowwise; `emulate`
     where the device has no float8 matmul (CPU)."""
 
     recipe: str = "tensorwise"

@@ -1,7 +1,7 @@
 """Pipeline stages of any family's model (models/contract.py): the blocks (`layers`) split into contiguous runs,
 the input modules on the first stage, the output modules on the last, shared modules on every one. Each stage is a
 model of the same class sharing the original's modules, so parameters keep their storage and their names (what
-checkpoints and the optimizer see). parallel/pipeline.py runs the stages under a schedule.
+checkpoints and the optimizer see). distributed/pipeline.py runs the stages under a schedule.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from parallama.distributed.options import ZERO_BUBBLE, ParallelizeOptions
 from parallama.errors import ConfigError
-from parallama.parallel.options import ZERO_BUBBLE, ParallelizeOptions
 
 
 def _numel(modules) -> int:

@@ -32,9 +32,9 @@ import logging
 
 from torch import nn
 
+from parallama.distributed.options import FLOAT8_FILTERS as FILTERS
+from parallama.distributed.options import FLOAT8_RECIPES as RECIPES
 from parallama.errors import ConfigError
-from parallama.parallel.options import FLOAT8_FILTERS as FILTERS
-from parallama.parallel.options import FLOAT8_RECIPES as RECIPES
 
 ALIGN = 16
 GAINS_FROM_HIDDEN = 2048  # below it float8 lost on one H100 (the 180M: 0.58x tensorwise; docs/benchmarks.md)

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from parallama.data.datasets import IGNORE_INDEX
-from parallama.parallel.context import sharded_batch
-from parallama.parallel.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
+from parallama.distributed.context import sharded_batch
+from parallama.distributed.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
 from parallama.runtime.compat import forward_only
 from parallama.training.loss import fuses
 
@@ -111,7 +111,7 @@ class Pipeline:
         """With `cp_mesh` the schedule (forward and backward) runs inside the ring-attention context on this cp
         rank's shard of every sequence, its tokens' absolute positions given to every stage; each microbatch's
         loss is divided by the labelled tokens of the whole batch over cp ranks, times cp (FSDP averages over
-        dp_shard x cp, as parallel/context.py's `mean_loss`), and the last stage sums the cp ranks' losses."""
+        dp_shard x cp, as distributed/context.py's `mean_loss`), and the last stage sums the cp ranks' losses."""
         if self._rows is None:
             self._rows = batch["labels"].shape[0]
         cp = cp_mesh.size() if cp_mesh is not None else 1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallama.config.checks import check_config
+from parallama.app.checks import check_config
 from parallama.errors import ConfigError
 
 # Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only

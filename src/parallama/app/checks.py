@@ -18,8 +18,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.config.schema import check_schema
+from parallama.distributed.dims import uses_gpu
 from parallama.errors import ConfigError
-from parallama.parallel.dims import uses_gpu
 from parallama.parallel.layout_checks import check_layout
 
 
@@ -155,8 +155,8 @@ def _check_wandb(cfg: DictConfig) -> None:
 
 
 def _check_float8(cfg: DictConfig, hardware: bool) -> None:
-    """float8 (parallel/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
-    from parallama.parallel.float8 import check_float8
+    """float8 (distributed/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
+    from parallama.distributed.float8 import check_float8
 
     recipe = cfg.get("float8")
     if recipe is None:
@@ -321,7 +321,7 @@ def apply_val_check_epochs(cfg: DictConfig) -> None:
 def apply_global_batch(cfg: DictConfig) -> None:
     """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the run's data-parallel size
     (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take)."""
-    from parallama.parallel.dims import dims_of_config
+    from parallama.distributed.dims import dims_of_config
 
     global_batch = cfg.get("global_batch_size")
     if global_batch is None:

@@ -106,7 +106,7 @@ def apply_ep(model, options) -> None:
     adds up its tokens from the whole ep group: FSDP divides it by the data-parallel size, not by its mesh's."""
     from torch.distributed.fsdp import fully_shard
 
-    from parallama.parallel.blocks import fsdp_kwargs
+    from parallama.distributed.blocks import fsdp_kwargs
 
     dims = options.dims
     mesh = dims.build_expert_mesh(options.mesh.device_type)

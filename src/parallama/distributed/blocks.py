@@ -35,7 +35,7 @@ def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str], plan: str
 
 
 def apply_ac(model: nn.Module, mode: str = "full", *, policy: str = "op", every_n: int = 2) -> None:
-    """Activation checkpointing of each block of `model.layers` (parallel/options.py `ACOptions`):
+    """Activation checkpointing of each block of `model.layers` (distributed/options.py `ACOptions`):
 
     - "full": each block keeps only its input and recomputes the rest in backward;
     - "selective", `policy="op"`: per-op selective checkpointing (torchtitan's): the outputs of the ops in

@@ -47,9 +47,10 @@ slurm:
 test-fast: $(STAMP)  ## unit tests only (no training run; under 2 minutes)
 	$(BIN)/python -m pytest tests/unit --durations=10 $(ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff, and the packages' layering (pyproject.toml's import-linter contract; docs/architecture.md)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/lint-imports
 
 bench: $(STAMP)  ## CPU benchmarks (see docs/benchmarks.md)
 	$(BIN)/python -m bench $(ARGS)

@@ -87,7 +87,7 @@ def _fused(hidden, weight, labels, *, dtype, chunk_size):
 def _torch_op(hidden, weight, labels, *, dtype, chunk_size):
     from torch.nn import LinearCrossEntropyOptions
 
-    from parallama.data.datasets import IGNORE_INDEX
+    from parallama.tokenizer import IGNORE_INDEX
 
     options = LinearCrossEntropyOptions(batch_chunk_size=chunk_size, chunking_method=None)
     loss = F.linear_cross_entropy(

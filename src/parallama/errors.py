@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # and runtime/faults.py's EXIT_RANK_DIED; 0 for a preempted job
+EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_RANK_DIED = 2, 3, 4  # 0 for a preempted job
 
 
 class ConfigError(ValueError):
@@ -16,11 +16,27 @@ class TrainingDiverged(FloatingPointError):
     """The loss became NaN/inf; raised before the optimizer step so the last checkpoint stays good."""
 
 
+class RankDied(RuntimeError):
+    """Another rank of the run is gone; the message is the one line that names it (`lost_rank`)."""
+
+
+class Preempted(Exception):
+    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0, its last
+    line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
+    then SIGKILL, while its ranks wind down)."""
+
+    def __init__(self, message: str, said: bool = False):
+        super().__init__(message)
+        self.said = said
+
+    @property
+    def line(self) -> str:
+        return f"{self}; resume with ckpt_path=last"
+
+
 def exit_status(err: BaseException) -> tuple[int | None, str]:
     """(status, line) for an error the user can act on; (None, "") for anything else."""
     import hydra
-
-    from parallama.runtime import faults
 
     if isinstance(err, (ConfigError, FileNotFoundError)):
         return EXIT_BAD_INPUT, f"error: {err}"
@@ -30,10 +46,10 @@ def exit_status(err: BaseException) -> tuple[int | None, str]:
         return EXIT_BAD_INPUT, f"error: {instantiation_error(err)}"
     if isinstance(err, TrainingDiverged):
         return EXIT_DIVERGED, f"error: {err}"
-    if isinstance(err, faults.Preempted):
+    if isinstance(err, Preempted):
         return 0, err.line
-    if isinstance(err, faults.RankDied):
-        return faults.EXIT_RANK_DIED, str(err)
+    if isinstance(err, RankDied):
+        return EXIT_RANK_DIED, str(err)
     return None, ""
 
 

@@ -24,6 +24,9 @@ EOT = "[EOT]"  # end of text: last token of every document
 PAD = "[PAD]"  # fills per-document samples up to seq_len
 UNK = "[UNK]"  # kept for parity with the source article; byte-level never emits it
 SPECIALS = [BOT, EOT, PAD, UNK]
+IGNORE_INDEX = (
+    -100
+)  # a label no loss counts (torch.nn.functional.cross_entropy's default): padding, document ends
 
 # Role -> tokens that fill it, ours first. Pretrained tokenizers keep their own
 # bos/eos so that their vocabulary (and any pretrained embedding) is unchanged.

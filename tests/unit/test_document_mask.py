@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from parallama.data import TextDataModule, byte_level, embedded, special_ids
-from parallama.data.datasets import IGNORE_INDEX, PackedDataset
+from parallama.data.datasets import PackedDataset
 from parallama.errors import ConfigError
 from parallama.models.llama import masks
 from parallama.models.llama import model as model_module
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.masks import document_mask
 from parallama.models.llama.model import Llama
-from parallama.tokenizer import SpecialIds
+from parallama.tokenizer import IGNORE_INDEX, SpecialIds
 
 VOCAB, BOT, EOT, PAD = 97, 94, 95, 96
 SPECIALS = SpecialIds(bot=BOT, eot=EOT, pad=PAD)

@@ -13,10 +13,10 @@ import torch
 
 from parallama import CONF_DIR
 from parallama.app.compose import preflight
-from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
+from parallama.tokenizer import IGNORE_INDEX
 from parallama.training import fused_cross_entropy, loss
 from parallama.training.loss import CrossEntropy
 from parallama.training.module import CausalLM

@@ -131,6 +131,7 @@ def test_float8_gathers_in_one_byte_only_the_linears_its_filter_converts():
     """float8_filter=auto keeps Llama-3.2-1B's k/v projections (2048 -> 512) in bf16 (torchao's tensorwise
     filter): they are gathered in 2 bytes, the other block matmuls in 1; `all` gathers every one in 1."""
     from parallama.distributed.float8 import converted_share
+    from parallama.models import model_spec
 
     c = LLAMA_1B
     fields = {
@@ -139,8 +140,9 @@ def test_float8_gathers_in_one_byte_only_the_linears_its_filter_converts():
     }
     fields.update(num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)
     kv = 2 * c.hidden_size * 512
-    assert converted_share(fields, "tensorwise", "all") == 1.0
-    assert converted_share(fields, "tensorwise", "auto") == pytest.approx(1 - kv / c.block_params()[0])
+    model, _ = model_spec(fields).shapes(fields)
+    assert converted_share(model, "tensorwise", "all") == 1.0
+    assert converted_share(model, "tensorwise", "auto") == pytest.approx(1 - kv / c.block_params()[0])
     base = ["model=llama3_2_1b", "trainer.devices=8", "strategy=fsdp", "float8=tensorwise"]
     auto, every = (plan(compose(o), 80, o) for o in (base, [*base, "float8_filter=all"]))
     gathered = {name: run["estimates"]["fsdp"]["gathered"] for name, run in (("auto", auto), ("all", every))}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallama.runtime.faults import Preempted
+from parallama.errors import Preempted
 from parallama.training.callbacks import PreemptionCheckpoint
 
 

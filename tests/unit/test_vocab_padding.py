@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallama.data.datasets import IGNORE_INDEX
 from parallama.models import model_spec
 from parallama.models.generation import generate
+from parallama.tokenizer import IGNORE_INDEX
 from parallama.training.loss import CrossEntropy
 
 VOCAB = 300  # padded to 320

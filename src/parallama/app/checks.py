@@ -21,6 +21,7 @@ from parallama.config.schema import check_schema
 from parallama.distributed.dims import uses_gpu
 from parallama.errors import ConfigError
 from parallama.parallel.layout_checks import check_layout
+from parallama.training.wandb_env import wandb_api_key_configured
 
 
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
@@ -125,20 +126,6 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"paths.cache_dir={cache} is a file; give a folder (it is created if missing)")
 
 
-def wandb_api_key_configured() -> bool:
-    """WANDB_API_KEY, or `wandb login`'s netrc entry for the W&B host."""
-    import netrc
-    from urllib.parse import urlparse
-
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
-
-
 def _check_wandb(cfg: DictConfig) -> None:
     """W&B online without an API key fails inside wandb.init, after the run directory exists (found: a
     UsageError traceback): one line before work. `auto` (the default) picks offline without a key."""
@@ -157,6 +144,7 @@ def _check_wandb(cfg: DictConfig) -> None:
 def _check_float8(cfg: DictConfig, hardware: bool) -> None:
     """float8 (distributed/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
     from parallama.distributed.float8 import check_float8
+    from parallama.models import model_spec
 
     recipe = cfg.get("float8")
     if recipe is None:
@@ -180,7 +168,8 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
         )
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     fields["vocab_size"] = fields.get("vocab_size") or 64  # the head is not converted: any size does
-    check_float8(recipe, on_gpu=on_gpu, model_fields=fields, filter=cfg.get("float8_filter", "auto"))
+    model, _ = model_spec(fields).shapes(fields)
+    check_float8(recipe, on_gpu=on_gpu, model=model, filter=cfg.get("float8_filter", "auto"))
 
 
 def _check_model_shape(model: DictConfig) -> None:
@@ -196,7 +185,8 @@ def _check_recipe(cfg: DictConfig) -> None:
     """The optimizer, schedule and loss build, each checking its own keys (training/optim.py, schedules.py,
     loss.py); the cross-key rules here."""
     from parallama.config.parts import instantiate_part
-    from parallama.training.optim import check_optimizer, offload_refusal
+    from parallama.parallel.strategies.deepspeed import offload_refusal
+    from parallama.training.optim import check_optimizer
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     factory = check_optimizer(optimizer)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.app.checks import check_config
 from parallama.errors import ConfigError
+from parallama.runtime.launch import CHECKED_ENV
 
 # Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only
 # change what is done with the config (-m, --cfg job) are set aside and the overrides checked as usual.
@@ -41,8 +42,6 @@ OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 # The jobs (their override lists) that `preflight` checked in this process: a tool need not check them again.
 _CHECKED: set[tuple[str, ...]] = set()
-# Set for the ranks a run starts itself (runtime/launch.py): the rank that started them checked their job.
-CHECKED_ENV = "PARALLAMA_CONFIG_CHECKED"
 
 
 def already_checked(cfg: DictConfig) -> bool:

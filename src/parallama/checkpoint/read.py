@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor, nn
+from torch import Tensor
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
 from parallama.errors import ConfigError
 from parallama.models import ModelSpec, model_spec
+from parallama.models.contract import load_state_into
 
 PREFIX = "model."  # CausalLM keeps its model at `self.model`
 
@@ -48,22 +49,6 @@ def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
         if source in ours:
             ours[alias] = ours[source]
     return LoadedCheckpoint(ours, spec, config, meta.pop("tokenizer", None), meta)
-
-
-def load_state_into(model: nn.Module, state_dict: dict[str, Tensor], source: str = "checkpoint") -> None:
-    """load_state_dict with a one-line error naming the first key that does not fit `model`."""
-    expected = model.state_dict()
-    for key, tensor in expected.items():
-        if key not in state_dict:
-            raise ConfigError(f"{source} has no {key}; it is not from this model (architecture differs)")
-        if state_dict[key].shape != tensor.shape:
-            raise ConfigError(
-                f"{source} has {key} of shape {tuple(state_dict[key].shape)} but the model expects "
-                f"{tuple(tensor.shape)}; set model.* to the checkpoint's shape"
-            )
-    if extra := sorted(set(state_dict) - set(expected)):
-        raise ConfigError(f"{source} has {extra[0]}, which the model does not have (architecture differs)")
-    model.load_state_dict(state_dict)
 
 
 def load_model(ckpt_path: str | None = None, model_dir: str | None = None):

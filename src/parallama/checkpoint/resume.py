@@ -18,11 +18,6 @@ from parallama.checkpoint.formats import client_state
 from parallama.errors import ConfigError
 
 
-def last_checkpoint_note(output_dir: str) -> str:
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
-
-
 def check_fresh_run(cfg: DictConfig) -> None:
     """A run resumes only when asked: without `ckpt_path`, refuse a run directory that holds last.ckpt.
 

@@ -79,7 +79,11 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     float8 = cfg.get("float8")
     terms = dict(
         float8=float8,  # tensorwise: FSDP2 gathers the blocks' converted weights in float8 (float8_gathered)
-        float8_share=converted_share(model, float8, cfg.get("float8_filter", "auto")) if float8 else 1.0,
+        float8_share=converted_share(
+            model_spec(model).shapes(model)[0], float8, cfg.get("float8_filter", "auto")
+        )
+        if float8
+        else 1.0,
         optimizer=optimizer_of(cfg.optimizer.get("_target_", "")),  # muon: one buffer (optimizer_state_bytes)
         loss_impl=OmegaConf.select(cfg, "loss.impl", default="plain"),  # what the loss keeps (loss_bytes)
     )

@@ -9,23 +9,22 @@ import warnings
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.errors import ConfigError, TrainingDiverged
+from parallama.errors import ConfigError, RankDied, TrainingDiverged
 
 
 def train_job(cfg: DictConfig) -> float | None:
     """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize."""
     from parallama.app.run import train
-    from parallama.checkpoint.resume import last_checkpoint_note
     from parallama.runtime import faults
     from parallama.training.loggers import finish_wandb_run
 
     try:
         metrics, _ = train(cfg)
     except TrainingDiverged as err:
-        raise TrainingDiverged(f"{err} ({last_checkpoint_note(cfg.paths.output_dir)})") from None
+        raise TrainingDiverged(f"{err} ({faults.last_checkpoint_note(cfg.paths.output_dir)})") from None
     except RuntimeError as err:  # gloo's error for a peer rank that is gone: one line naming it
         if (line := faults.lost_rank(err)) is not None:
-            raise faults.RankDied(line) from None
+            raise RankDied(line) from None
         raise
     finally:
         faults.stop_watching()

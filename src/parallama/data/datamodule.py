@@ -189,11 +189,12 @@ class TextDataModule(LightningDataModule):
         )
 
     def _world(self) -> tuple[int, int]:
-        """The data-parallel size and this process's rank in it, from the strategy's device mesh (tensor-parallel
-        ranks share their data): every use (sampler, position, checks) reads them here."""
-        from parallama.parallel.base import data_parallel
-
-        return data_parallel(self.trainer)
+        """The data-parallel size and this process's rank in it: what the strategy tells Lightning's samplers
+        (`distributed_sampler_kwargs`: parallama's strategies count the data-parallel ranks of their mesh, whose
+        tensor-parallel ranks share their data); one process without a trainer or with a single-device strategy.
+        Every use (sampler, position, checks) reads them here."""
+        shard = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
     def _loader(self, split: str, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
         return DataLoader(

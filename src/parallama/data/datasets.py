@@ -14,9 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from parallama.tokenizer import SpecialIds
-
-IGNORE_INDEX = -100  # label value skipped by torch.nn.functional.cross_entropy
+from parallama.tokenizer import IGNORE_INDEX, SpecialIds
 
 
 class _TokenDataset(Dataset):

@@ -19,9 +19,9 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from parallama.data.datasets import IGNORE_INDEX
+from parallama.distributed.options import loss_fuses
 from parallama.runtime import compat
-from parallama.training.loss import fuses
+from parallama.tokenizer import IGNORE_INDEX
 
 
 def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ class ContextParallelStep:
         local = self._open.enter_context(sharded_batch(cp_mesh, batch))
         labels = local["labels"].flatten()
         with loss_context or nullcontext():
-            if fuses(module.loss_fn):  # loss.impl=fused: the head inside the loss (training/loss.py)
+            if loss_fuses(module.loss_fn):  # loss.impl=fused: the head inside the loss (training/loss.py)
                 hidden = module(local["input_ids"], position_ids=local["position_ids"], hidden_states=True)
                 loss_sum = module.model.head(hidden, module.loss_fn.head_loss(labels, "sum"))
             else:

@@ -63,20 +63,12 @@ def converted_linears(model: nn.Module, recipe: str, filter: str = "auto") -> li
     return [(name, linear) for name, linear in linears if gains(linear, name)]
 
 
-def converted_share(model_fields: dict, recipe: str, filter: str) -> float:
+def converted_share(model: nn.Module, recipe: str, filter: str) -> float:
     """The share of the blocks' matmul parameters that float8 converts (parallama-plan: the weights FSDP2 gathers
-    in float8), from the model built on the meta device: a filter's choice, and a mixture's experts (not
+    in float8), from the model (on the meta device: its shapes): a filter's choice, and a mixture's experts (not
     `nn.Linear`s), are what it keeps in the high precision."""
-    import torch
-
-    from parallama.models import model_spec
-
-    spec = model_spec(model_fields)
-    with torch.device("meta"):
-        config = spec.build_config(model_fields)
-        model = spec.model(config)
     converted = sum(linear.weight.numel() for _, linear in converted_linears(model, recipe, filter))
-    return converted / (config.num_hidden_layers * config.block_params()[0])
+    return converted / (model.config.num_hidden_layers * model.config.block_params()[0])
 
 
 def float8_note(model: nn.Module, recipe: str, filter: str, hidden_size: int) -> str | None:
@@ -197,10 +189,10 @@ def _wrapped(t) -> bool:
 
 
 def check_float8(
-    recipe: str | None, *, on_gpu: bool, model_fields: dict | None = None, filter: str = "auto"
+    recipe: str | None, *, on_gpu: bool, model: nn.Module | None = None, filter: str = "auto"
 ) -> None:
-    """Before work: a GPU that can compute in float8 (SM 8.9+), block linears of aligned sizes, and one line
-    (`float8_note`) where the model is too small to gain."""
+    """Before work: a GPU that can compute in float8 (SM 8.9+); of `model` (on the meta device: its shapes), block
+    linears of aligned sizes and one line (`float8_note`) where it is too small to gain."""
     if recipe is None:
         return
     if on_gpu:
@@ -212,15 +204,7 @@ def check_float8(
                 f"float8={recipe} needs a GPU of compute capability >= 8.9 (Ada, Hopper or later); this one is "
                 f"{major}.{minor}: use float8=null"
             )
-    if model_fields is not None:
-        import torch
-
-        from parallama.models import model_spec
-
-        spec = model_spec(model_fields)
-        with torch.device("meta"):
-            config = spec.build_config(model_fields)
-            model = spec.model(config)
+    if model is not None:
         check_dimensions(model, recipe, filter)
-        if note := float8_note(model, recipe, filter, config.hidden_size):
+        if note := float8_note(model, recipe, filter, model.config.hidden_size):
             log.warning(note)

@@ -138,6 +138,12 @@ FLOAT8_FILTERS = (
 COMPILE_MODES = ("auto",)  # besides true and false
 
 
+def loss_fuses(loss_fn) -> bool:
+    """Whether the recipe's loss computes the head's matmul with it in this step (`loss.impl=fused`,
+    training/loss.py): the loss object says so (`fuses()`); any other callable is a plain loss."""
+    return bool(getattr(loss_fn, "fuses", lambda: False)())
+
+
 def compile_enabled(setting: bool | str, device_type: str) -> bool:
     """`compile: auto` (conf/train.yaml) is on where the model trains on CUDA and off elsewhere: on one H100 it
     bought 1.22x (Llama-3.2-1B) to 1.44x (the 180M) tokens/s (docs/benchmarks.md, train-gpu), while on CPU the

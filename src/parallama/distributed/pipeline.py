@@ -18,11 +18,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from parallama.data.datasets import IGNORE_INDEX
 from parallama.distributed.context import sharded_batch
-from parallama.distributed.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions
+from parallama.distributed.options import SCHEDULES, SINGLE_STAGE, V_SHAPED, PipelineOptions, loss_fuses
 from parallama.runtime.compat import forward_only
-from parallama.training.loss import fuses
+from parallama.tokenizer import IGNORE_INDEX
 
 BATCH_KWARGS = (
     "attention_mask",
@@ -73,7 +72,7 @@ class Pipeline:
         if self.fused:  # the last stage gave its hidden states: the head runs here, with the loss in training
             head = next(stage.submod for stage in self.stages if stage.is_last).head
             # a zero-bubble schedule runs its backward twice (input, then weight gradients): the fused loss allows it
-            if fuses(self.loss_fn):
+            if loss_fuses(self.loss_fn):
                 return head(logits, self.loss_fn.head_loss(labels, "sum")) / self._denominator
             logits = head(logits)
         if self.on_validation_logits is not None and not torch.is_grad_enabled():

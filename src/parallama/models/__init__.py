@@ -90,6 +90,15 @@ class ModelSpec:
         check_config(config, self.family)
         return config
 
+    def shapes(self, model: Mapping):
+        """(the family's model on the meta device, its config): what checks and plans read of a model's linears
+        and parameters before any is allocated."""
+        import torch  # the command line's checks stay without torch until one needs a model's shapes
+
+        config = self.build_config(model)
+        with torch.device("meta"):
+            return self.model(config), config
+
 
 def model_spec(model: Mapping) -> ModelSpec:
     """The spec of the family a model config names (`family`, default llama): a folder of this package, else

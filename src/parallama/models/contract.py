@@ -9,9 +9,12 @@ blocks and an output end.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from parallama.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 
 @runtime_checkable
@@ -127,3 +130,19 @@ def check_config(config, family: str) -> None:
             f"model.family={family}: {type(config).__name__} lacks {', '.join(missing)} of the config contract "
             "(parallama.models.contract.ModelConfig)"
         )
+
+
+def load_state_into(model: nn.Module, state_dict: dict[str, Tensor], source: str = "checkpoint") -> None:
+    """load_state_dict with a one-line error naming the first key that does not fit `model`."""
+    expected = model.state_dict()
+    for key, tensor in expected.items():
+        if key not in state_dict:
+            raise ConfigError(f"{source} has no {key}; it is not from this model (architecture differs)")
+        if state_dict[key].shape != tensor.shape:
+            raise ConfigError(
+                f"{source} has {key} of shape {tuple(state_dict[key].shape)} but the model expects "
+                f"{tuple(tensor.shape)}; set model.* to the checkpoint's shape"
+            )
+    if extra := sorted(set(state_dict) - set(expected)):
+        raise ConfigError(f"{source} has {extra[0]}, which the model does not have (architecture differs)")
+    model.load_state_dict(state_dict)

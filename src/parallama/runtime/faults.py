@@ -14,34 +14,20 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
-from parallama.checkpoint.resume import last_checkpoint_note
-from parallama.errors import ConfigError
+from parallama.errors import EXIT_RANK_DIED, ConfigError
 from parallama.runtime.launch import started_ranks
 
 log = logging.getLogger("parallama")
 
-EXIT_RANK_DIED = 4
 # How gloo (and the TCP store) report a peer whose process is gone.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
 
 
-class RankDied(RuntimeError):
-    """Another rank of the run is gone; the message is the one line that names it (`lost_rank`)."""
-
-
-class Preempted(Exception):
-    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0, its last
-    line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
-    then SIGKILL, while its ranks wind down)."""
-
-    def __init__(self, message: str, said: bool = False):
-        super().__init__(message)
-        self.said = said
-
-    @property
-    def line(self) -> str:
-        return f"{self}; resume with ckpt_path=last"
+def last_checkpoint_note(output_dir: str) -> str:
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
 
 
 def check_multi_node(num_nodes: int) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
-from parallama.app.compose import CHECKED_ENV
-
+# Set for the ranks a run starts itself: the rank that started them checked their job (app/compose.py `preflight`).
+CHECKED_ENV = "PARALLAMA_CONFIG_CHECKED"
 _ranks: list[subprocess.Popen] = []  # the ranks this process started for the job under way
 
 

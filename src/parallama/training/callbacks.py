@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 
-from parallama.runtime.faults import Preempted
+from parallama.errors import Preempted
 from parallama.runtime.launch import requeue_slurm_job
 from parallama.training import syncs
 from parallama.training.module import ends_the_run

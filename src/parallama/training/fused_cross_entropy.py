@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from parallama.data.datasets import IGNORE_INDEX
+from parallama.tokenizer import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
-from parallama.app.checks import wandb_api_key_configured
 from parallama.checkpoint.formats import client_state
 from parallama.errors import ConfigError
 from parallama.training.callbacks import stop_signal
+from parallama.training.wandb_env import wandb_api_key_configured
 
 log = logging.getLogger("parallama")
 _told_lost: set[str | None] = set()  # the W&B runs whose lost service was said

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from parallama.data.datasets import IGNORE_INDEX
 from parallama.errors import ConfigError
+from parallama.tokenizer import IGNORE_INDEX
 from parallama.training.fused_cross_entropy import linear_cross_entropy, vocab_parallel
 
 log = logging.getLogger("parallama")
@@ -164,11 +164,6 @@ def _say_once(path: str) -> None:
     if path not in _said:
         _said.add(path)
         log.info(f"loss.impl=fused: {FUSED_PATHS[path]}")
-
-
-def fuses(loss_fn) -> bool:
-    """Whether the recipe's loss (any callable: a loss of the user's own is plain) takes the fused path now."""
-    return isinstance(loss_fn, CrossEntropy) and loss_fn.fuses()
 
 
 def _reduced(loss: Tensor, labels: Tensor, reduction: str) -> Tensor:

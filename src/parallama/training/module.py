@@ -14,15 +14,14 @@ from torchmetrics import MeanMetric, Metric
 
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.config.parts import instantiate_part
-from parallama.data.datasets import IGNORE_INDEX
 from parallama.distributed.context import ContextParallelStep
-from parallama.distributed.options import compile_enabled
+from parallama.distributed.options import compile_enabled, loss_fuses
 from parallama.errors import TrainingDiverged
 from parallama.models import model_spec
 from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
+from parallama.tokenizer import IGNORE_INDEX
 from parallama.training import syncs
-from parallama.training.loss import fuses
 from parallama.training.muon import mark_hidden_matrices
 from parallama.training.optim import optimizer_factory, with_fused_default
 
@@ -121,7 +120,7 @@ class CausalLM(L.LightningModule):
         documents = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         inputs = (batch["input_ids"], batch.get("attention_mask"))
         # "parallama.loss": the range a profile names (bench train-gpu: where a step's time goes)
-        if fuses(self.loss_fn):  # loss.impl=fused: the head's matmul inside the loss, chunk by chunk
+        if loss_fuses(self.loss_fn):  # loss.impl=fused: the head's matmul inside the loss, chunk by chunk
             hidden = self.model(*inputs, hidden_states=True, **documents)
             with record_function("parallama.loss"):
                 return self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))

@@ -1,7 +1,7 @@
 """The optimizer of the recipe (conf/optimizer/): whatever class `optimizer._target_` names, any `torch.optim`
 optimizer or your own, built by Hydra as a partial and called with the module's parameter groups
 (`CausalLM.param_groups`: weight decay on matrices, none on norms). The strategy only builds it; one that cannot
-run the named class (DeepSpeed's optimizer offload) says so in one line.
+run the named class (DeepSpeed's optimizer offload: parallel/strategies/deepspeed.py) says so in one line.
 """
 
 from __future__ import annotations
@@ -63,19 +63,6 @@ def with_fused_default(factory: partial, *, on_gpu: bool, loss_scaled: bool, cli
             "trainer.precision=bf16-mixed or trainer.gradient_clip_val=null"
         )
     return partial(factory.func, *factory.args, **{**factory.keywords, key: fused or None})
-
-
-def offload_refusal(optimizer_class: type) -> str | None:
-    """Why DeepSpeed's optimizer offload, which steps with its own CPU Adam, cannot run `optimizer_class`."""
-    import torch
-
-    if optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
-        return None
-    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-    return (
-        f"strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam, not optimizer._target_={name}; use "
-        "optimizer=adamw (or torch.optim.Adam) or strategy.offload_optimizer=false"
-    )
 
 
 def peak_lr(factory: Callable) -> float:

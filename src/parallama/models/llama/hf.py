@@ -20,8 +20,8 @@ from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 from torch import Tensor
 
-from parallama.checkpoint.read import load_state_into
 from parallama.errors import ConfigError
+from parallama.models.contract import load_state_into
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama
 from parallama.tokenizer import UNK, special_ids

@@ -23,7 +23,6 @@ from parallama.parallel.base import Parallelism
 from parallama.parallel.plan import MemoryProfile
 from parallama.runtime import compat
 from parallama.runtime.launch import remove_stale_build_locks
-from parallama.training.optim import offload_refusal
 
 log = logging.getLogger("parallama")
 _DS = "strategy=deepspeed strategy.stage="
@@ -167,3 +166,16 @@ def _say_if_ops_will_build(local_rank: int) -> None:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_root()))
     if local_rank == 0 and not any(root.glob("deepspeed_shm_comm/*.so")):
         log.info(f"building DeepSpeed's C++ ops (once per environment, ~1 min) in {root}")
+
+
+def offload_refusal(optimizer_class: type) -> str | None:
+    """Why DeepSpeed's optimizer offload, which steps with its own CPU Adam, cannot run `optimizer_class`."""
+    import torch
+
+    if optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
+        return None
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    return (
+        f"strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam, not optimizer._target_={name}; use "
+        "optimizer=adamw (or torch.optim.Adam) or strategy.offload_optimizer=false"
+    )

@@ -1,0 +1,40 @@
+"""The layering of docs/architecture.md, held by import-linter (pyproject.toml, `[tool.importlinter]`): each
+package imports only those below it, imports inside functions included; and the contract really fails on an
+import that runs back up (a copy of the source with one added)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` over the `parallama` found under `root`/src (the checkout's own, or a copy)."""
+    env = {"PYTHONPATH": str(root / "src"), "PATH": str(LINT_IMPORTS.parent)}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_every_package_imports_only_those_below_it():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "1 kept, 0 broken" in result.stdout
+
+
+def test_an_import_that_runs_back_up_breaks_the_contract(tmp_path):
+    """The models importing the training package (a function-level import, as the circle of issue #38 was held
+    together by): refused, naming both."""
+    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    contract = tmp_path / "src" / "parallama" / "models" / "contract.py"
+    contract.write_text(contract.read_text() + "\n\ndef _upward():\n    from parallama.training import loss  # noqa\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "parallama.models is not allowed to import parallama.training" in result.stdout
+    assert "parallama.models.contract -> parallama.training.loss" in result.stdout

@@ -33,7 +33,9 @@ def test_an_import_that_runs_back_up_breaks_the_contract(tmp_path):
     shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     contract = tmp_path / "src" / "parallama" / "models" / "contract.py"
-    contract.write_text(contract.read_text() + "\n\ndef _upward():\n    from parallama.training import loss  # noqa\n")
+    contract.write_text(
+        contract.read_text() + "\n\ndef _upward():\n    from parallama.training import loss  # noqa\n"
+    )
     result = lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout[-3000:]
     assert "parallama.models is not allowed to import parallama.training" in result.stdout

@@ -99,7 +99,7 @@ class ContextParallelStep:
             else:
                 logits = module(local["input_ids"], position_ids=local["position_ids"])
                 if not torch.is_grad_enabled():
-                    module.on_validation_logits(logits, local["labels"])
+                    module.validation_logits(logits, local["labels"])
                 loss_sum = module.loss_fn(logits, labels, reduction="sum")
         loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh)
         if not torch.is_grad_enabled():

@@ -22,7 +22,7 @@ from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.parallel.context import ContextParallelStep
 from parallama.parallel.options import compile_enabled
 from parallama.training import syncs
-from parallama.training.loss import fuses
+from parallama.training.loss import fuses, term_names, validation_terms
 from parallama.training.muon import mark_hidden_matrices
 from parallama.training.optim import optimizer_factory, with_fused_default
 
@@ -58,7 +58,9 @@ class CausalLM(L.LightningModule):
         self.config = self.spec.build_config(model)
         self.loss_fn = instantiate_part(loss or {"_target_": "parallama.training.loss.CrossEntropy"}, "loss")
         self.model: torch.nn.Module | None = None
-        self.val_loss = MeanMetric()
+        self.val_loss = MeanMetric()  # the cross-entropy alone: val/loss, val/ppl
+        # the loss's other terms (z-loss, label smoothing's, a subclass's own), each logged as val/<name>
+        self.val_terms = torch.nn.ModuleDict({name: MeanMetric() for name in term_names(self.loss_fn)[1:]})
         self.tokens_seen = 0  # global count, restored on resume
         self.data_parallel_size = (
             1  # the replicas a step trains on (tokens seen count them), set when fit starts
@@ -127,7 +129,7 @@ class CausalLM(L.LightningModule):
                 return self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
         logits = self.model(*inputs, **documents)
         if not torch.is_grad_enabled():
-            self.on_validation_logits(logits, batch["labels"])
+            self.validation_logits(logits, batch["labels"])
         training = torch.is_grad_enabled() and self.compiled_loss is not None
         with record_function("parallama.loss"):
             return (self.compiled_loss if training else self.loss_fn)(logits, batch["labels"])
@@ -140,6 +142,17 @@ class CausalLM(L.LightningModule):
             return 0.0
         loss, self.auxiliary_metrics = self.model.auxiliary_loss()
         return loss
+
+    def validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """What every path does with validation's logits (this rank's part of them, see `on_validation_logits`): each
+        term of the loss into its metric, the cross-entropy alone into val/loss (so that val/loss and val/ppl
+        compare across runs whatever the loss adds), then the hook of a module of your own."""
+        terms = validation_terms(self.loss_fn, logits, labels)
+        count = (labels != IGNORE_INDEX).sum()
+        for name, value in terms.items():
+            metric = self.val_loss if name == "cross_entropy" else self.val_terms[name]
+            metric.update(value.detach() / count.clamp(min=1), weight=count)
+        self.on_validation_logits(logits, labels)
 
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
@@ -286,14 +299,19 @@ class CausalLM(L.LightningModule):
                 group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss = self.step_loss(batch)
-        self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
+        self.step_loss(batch)  # each path hands its logits to `validation_logits`, which updates the metrics
 
     def on_validation_epoch_end(self) -> None:
+        for metric in (self.val_loss, *self.val_terms.values()):
+            if not metric.update_called:  # a pipeline's earlier stages saw no logits: they count no token
+                metric.update(0.0, weight=0)
         loss = self.val_loss.compute()  # synced across ranks by torchmetrics
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)  # identical on every rank
         self.log("val/ppl", torch.exp(loss))
+        for name, metric in self.val_terms.items():
+            self.log(f"val/{name}", metric.compute())
+            metric.reset()
 
     def param_groups(self) -> list[dict]:
         """The optimizer's parameter groups: matrices (embeddings, projections, head) decay with the optimizer's

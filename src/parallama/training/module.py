@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric, Metric
 from parallama.checkpoint.formats import INFO_KEY
 from parallama.config.parts import instantiate_part
 from parallama.data.datasets import IGNORE_INDEX
-from parallama.errors import TrainingDiverged
+from parallama.errors import ConfigError, TrainingDiverged
 from parallama.models import model_spec
 from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
@@ -24,7 +24,13 @@ from parallama.parallel.options import compile_enabled
 from parallama.training import syncs
 from parallama.training.loss import fuses, term_names, validation_terms
 from parallama.training.muon import mark_hidden_matrices
-from parallama.training.optim import optimizer_factory, with_fused_default
+from parallama.training.optim import (
+    modes_refusal,
+    optimizer_factory,
+    set_modes,
+    stacked_warmup,
+    with_fused_default,
+)
 
 log = logging.getLogger("parallama")
 
@@ -242,6 +248,13 @@ class CausalLM(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         if hasattr(self.model, "after_optimizer_step"):
             self.model.after_optimizer_step()
+        # An optimizer with modes (schedule-free) is in eval mode outside its steps: whatever reads the weights
+        # between two steps (validation, every checkpoint, the sample, downstream evaluation) reads the ones to use
+        set_modes(self.trainer.optimizers, train=False)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """An optimizer with modes trains in train mode, from its batches' forward passes to its step."""
+        set_modes(self.trainer.optimizers, train=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a
@@ -281,6 +294,8 @@ class CausalLM(L.LightningModule):
             if isinstance(metric, Metric):
                 metric.reset()
         self._apply_configured_lr()
+        if message := modes_refusal(self.optimizer_class, self.trainer.optimizers):
+            raise ConfigError(message)
 
     def _apply_configured_lr(self) -> None:
         """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks
@@ -336,6 +351,7 @@ class CausalLM(L.LightningModule):
             groups = mark_hidden_matrices(groups, self.model)
         optimizer = strategy.build_optimizer(factory, groups)
         self.configured_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.optimizer_class = factory.func
 
         schedule = instantiate_part(self.hparams.scheduler, "scheduler")
         # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
@@ -344,6 +360,8 @@ class CausalLM(L.LightningModule):
             schedule = replace(schedule, warmup_steps="auto")
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
+        if (note := stacked_warmup(optimizer, scheduler)) and self.global_rank == 0:
+            log.warning(note)
         # An explicit name (the configured class's) keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms)
         # the same under every strategy; LearningRateMonitor would otherwise use the wrapper's class
         # (ZeroRedundancyOptimizer) or DeepSpeed's CPU Adam.

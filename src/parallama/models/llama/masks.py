@@ -3,7 +3,7 @@ pattern, `Attention.mask_mod(b, h, q_idx, kv_idx)` (FlexAttention's signature; p
 user's attention class overrides it): here it is combined with what the batch says (`with_padding` for right-padded
 samples, `within_documents` for packed ones) or what the KV cache holds (`at_positions`), and `build` makes SDPA's
 boolean mask or, on the devices in `FLEX_ATTENTION_DEVICES` (document masks), a FlexAttention `BlockMask` run by
-`compiled_flex_attention`, with torch's own builders (`create_mask`, `create_block_mask`).
+`compiled_flex_attention` (torch's `create_block_mask`).
 
 Separate from `model`, whose layers only take a mask: what a mask looks like depends on the data layout
 (`data.packing`, `data.document_mask`) and on the device, and FlexAttention brings torch.compile with it.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 # Devices on which document masks run as compiled FlexAttention (a fused kernel that skips the blocks the mask
 # rules out); elsewhere SDPA gets a dense boolean (B, 1, T, T) mask.
@@ -65,18 +65,22 @@ compiled_flex_attention = None
 
 def build(mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int, device, flex: bool = False):
     """`mask_mod` as a (batch or 1, 1, q_len, kv_len) boolean mask for SDPA, or with `flex` a FlexAttention
-    ``BlockMask``. Attention runs a ``BlockMask`` through compiled flex_attention (eager, it would materialize the
-    whole score matrix), compiled here, outside any compiled block, once per process."""
+    ``BlockMask`` (`create_block_mask`). The boolean mask evaluates `mask_mod` once on broadcast index grids:
+    torch's `create_mask` vmaps the same function, alike for the elementwise ops a mask_mod is made of, but costs
+    ~100x more per call, which every decode step of generation would pay.
+
+    Attention runs a ``BlockMask`` through compiled flex_attention (eager, it would materialize the whole score
+    matrix), compiled here, outside any compiled block, once per process."""
     global compiled_flex_attention
-    plain = (
-        mask_mod  # torch tells a mask_mod from a score_mod by its arguments, counting a bound method's self
-    )
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return plain(b, h, q_idx, kv_idx)
-
     if flex:
         if compiled_flex_attention is None:
             compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
-    return create_mask(mask_mod, batch, 1, q_len, kv_len, device)
+        plain = mask_mod  # torch tells a mask_mod from a score_mod by its arguments, counting a bound method's self
+        return create_block_mask(
+            lambda b, h, q, kv: plain(b, h, q, kv), batch, None, q_len, kv_len, device=device
+        )
+    b = torch.arange(batch or 1, device=device).view(-1, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    return mask_mod(b, h, q, kv).expand(batch or 1, 1, q_len, kv_len)

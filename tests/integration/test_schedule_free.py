@@ -41,7 +41,6 @@ def test_schedule_free_trains_and_its_checkpoints_of_a_step_evaluate_equal(tmp_p
         assert torch.equal(tensor, load_checkpoint(best).state_dict[key]), key
     with open(run / "csv" / "metrics.csv") as f:
         logged = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")][-1]
-    for ckpt in (last, best):
-        eval_main([f"ckpt_path={ckpt}", "max_batches=2", "json=true"])
-        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert result["loss"] == pytest.approx(logged, rel=1e-5), ckpt
+    eval_main([f"ckpt_path={last}", "max_batches=2", "json=true"])  # the best one holds the same weights
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["loss"] == pytest.approx(logged, rel=1e-5)

@@ -9,6 +9,7 @@
   fp32 (`optimizer.ns_dtype=float32`): in bf16 (torch's, the default) its quintic iteration turns the last-bit
   differences of the layouts' gradient reductions into 1.6e-5 to 3.2e-5 in the weights after 3 steps (in fp32:
   3e-8), so the default is checked under fsdp and tp to 1e-4.
+- `optimizer._target_=schedulefree.AdamWScheduleFree` (train and eval modes, set by the module): ddp as auto.
 - `loss.z_loss=1e-4 loss.label_smoothing=0.1`: the pipeline (pp=2, the loss on the last stage), context parallel
   (cp=2, each rank's loss over its part of the sequences) and tensor parallel (tp=2, the loss on vocab-sharded
   logits) end with the weights of one process with the same loss.
@@ -63,6 +64,8 @@ RECIPES = {  # name: (overrides, layouts)
         ["auto", "ddp", "ddp_sharded", "fsdp", "tp", "fsdp_tp", "pp"],
     ),
     "muon_bf16": (["optimizer=muon"], ["auto", "fsdp", "tp"]),
+    # an optimizer with modes: in train mode for its steps, in eval mode outside them (the weights exported)
+    "schedule_free": (["optimizer._target_=schedulefree.AdamWScheduleFree"], ["auto", "ddp"]),
 }
 TOLERANCE = {"muon_bf16": 1e-4}  # see above
 
@@ -162,9 +165,11 @@ ACCURACY = (Path(__file__).resolve().parents[2] / "docs" / "customize.md").read_
 @pytest.mark.parametrize("layout", ["tp", "pp", "cp"])
 def test_a_validation_metric_on_the_logits_is_the_same_under_each_layout(layout, accuracy_runs):
     """docs/customize.md's token accuracy (`on_validation_logits`): the pipeline's last stage, the context-parallel
-    ranks' parts of each sequence and tensor parallel's vocab-sharded logits give one process's value."""
-    assert accuracy_runs[layout] == pytest.approx(accuracy_runs["auto"], abs=1e-6)
-    assert 0 < accuracy_runs["auto"] < 1
+    ranks' parts of each sequence and tensor parallel's vocab-sharded logits give one process's value; so do
+    val/loss, the cross-entropy alone, and the z-loss beside it (val/z_loss)."""
+    for metric in ("val/accuracy", "val/loss", "val/z_loss"):
+        assert accuracy_runs[layout][metric] == pytest.approx(accuracy_runs["auto"][metric], abs=1e-5), metric
+    assert 0 < accuracy_runs["auto"]["val/accuracy"] < 1
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +185,7 @@ def accuracy_runs(tmp_path_factory, data_cache) -> dict:
             *COMMON,
             *args,
             "module._target_=token_accuracy.WithTokenAccuracy",
+            "loss.z_loss=1e-4",
             "trainer.max_steps=1",
             "trainer.limit_val_batches=2",
             f"trainer.devices={ranks}",
@@ -191,5 +197,8 @@ def accuracy_runs(tmp_path_factory, data_cache) -> dict:
             timeout=600,
         )
         with open(run / "csv" / "metrics.csv") as f:
-            out[layout] = float(next(r["val/accuracy"] for r in csv.DictReader(f) if r.get("val/accuracy")))
+            row = next(r for r in csv.DictReader(f) if r.get("val/accuracy"))
+            out[layout] = {
+                metric: float(row[metric]) for metric in ("val/accuracy", "val/loss", "val/z_loss")
+            }
     return out

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from parallama.checkpoint.read import load_checkpoint, load_state_into
 from parallama.cli.export import main as export_main
 from parallama.errors import ConfigError
+from parallama.models.hf_logits import check_init_from
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.hf import load_hf_weights, save_hf_folder
 from parallama.models.llama.model import Llama
@@ -215,3 +216,134 @@ def test_export_cli_errors(argv, needle, capsys):
     assert excinfo.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+# A family of the test's own: the Llama with a sliding window (a subclass of Attention, no new tensors), exported as
+# the Hugging Face architecture its config names: a Llama (which attends to every earlier token) or a Mistral
+# (which has the window). Its package is written into the test's folder, as a user's would be on PYTHONPATH.
+SLIDING_FAMILY = """
+import dataclasses
+
+from parallama.models import ModelSpec
+from parallama.models.llama.config import LlamaConfig
+from parallama.models.llama.model import Attention, DecoderLayer, Llama
+
+
+@dataclasses.dataclass
+class SlidingConfig(LlamaConfig):
+    hf_model_type = "{model_type}"
+    hf_architecture = "{architecture}"
+    sliding_window: int = 16
+
+
+class SlidingWindowAttention(Attention):
+    def __init__(self, config):
+        super().__init__(config)
+        self.window = config.sliding_window
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return super().mask_mod(b, h, q_idx, kv_idx) & (q_idx - kv_idx < self.window)
+
+
+class SlidingLayer(DecoderLayer):
+    attention = SlidingWindowAttention
+
+
+class SlidingLlama(Llama):
+    decoder_layer = SlidingLayer
+
+
+SPEC = ModelSpec(__name__, SlidingConfig, f"{{__name__}}.SlidingLlama", "parallama.models.llama.parallelize.parallelize",
+                 hf_path="parallama.models.llama.hf", hf_model_type="{model_type}")
+"""
+
+
+def checkpoint_of(path: Path, model: torch.nn.Module, family: str, fields: dict) -> Path:
+    """A training checkpoint as parallama-train writes one, for the export to read (no run needed)."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    model_hparams = {"family": family, **fields}
+    torch.save({"state_dict": state, "hyper_parameters": {"model": model_hparams}, "global_step": 7}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("model_type", "architecture"), [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM")]
+)
+def test_a_sliding_window_exports_only_as_an_architecture_that_computes_it(
+    tmp_path, monkeypatch, capsys, model_type, architecture
+):
+    """As a LlamaForCausalLM transformers attends past the window: one line naming the family and the largest
+    difference, and no folder. As a MistralForCausalLM (which has the window) the same weights export."""
+    family = f"sliding_{model_type}"
+    (tmp_path / f"{family}.py").write_text(
+        SLIDING_FAMILY.format(model_type=model_type, architecture=architecture)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from parallama.models import model_spec
+
+    fields = {**SHAPE, "sliding_window": 16}
+    spec = model_spec({"family": family})
+    torch.manual_seed(0)
+    model = spec.model(spec.build_config(fields))
+    ckpt = checkpoint_of(tmp_path / "last.ckpt", model, family, fields)
+    out = tmp_path / "hf"
+    argv = [f"ckpt_path={ckpt}", f"out_dir={out}"]
+    if model_type == "llama":
+        with pytest.raises(SystemExit) as excinfo:
+            export_main(argv)
+        err = capsys.readouterr().err
+        assert excinfo.value.code == 2 and err.count("\n") == 1, err
+        assert (
+            f"export: transformers' LlamaForCausalLM computes other logits than model.family={family}" in err
+        )
+        assert "largest difference" in err and "over 128 tokens" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", f"{family}.py"]  # nor a .partial
+        # and init_from a Llama's folder into the family: the same check, before any work
+        hf_model().save_pretrained(tmp_path / "llama")
+        with pytest.raises(ConfigError) as excinfo:
+            check_init_from(spec, tmp_path / "llama", {"family": family, **fields})
+        one_line(
+            excinfo, f"init_from={tmp_path / 'llama'}: transformers' LlamaForCausalLM computes other logits"
+        )
+        return
+    export_main(argv)
+    printed = capsys.readouterr().out
+    assert "export: transformers' logits equal the model's over 128 tokens" in printed, printed
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs).__name__ == "MistralForCausalLM"
+    ids = torch.randint(0, 320, (1, 100))
+    torch.testing.assert_close(logits(theirs, ids), logits(model.eval(), ids), atol=1e-5, rtol=0)
+    assert check_init_from(spec, out, {"family": family, **fields}) is None  # the folder trains the family
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3_tiny", "qwen3_moe_tiny"])
+def test_each_shipped_family_exports_with_its_logits_checked(tmp_path, capsys, preset):
+    from omegaconf import OmegaConf
+
+    from parallama import CONF_DIR
+    from parallama.models import model_spec
+
+    fields = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml"), resolve=True)
+    fields = {**fields, "vocab_size": 320, "max_position_embeddings": 256}
+    spec = model_spec(fields)
+    torch.manual_seed(0)
+    model = spec.model(spec.build_config(fields))
+    ckpt = checkpoint_of(tmp_path / "last.ckpt", model, fields.pop("family", "llama"), fields)
+    export_main([f"ckpt_path={ckpt}", f"out_dir={tmp_path / 'hf'}"])
+    printed = capsys.readouterr().out
+    assert "export: transformers' logits equal the model's over 256 tokens" in printed, printed
+
+
+def test_without_transformers_export_says_it_cannot_verify(tmp_path, monkeypatch, capsys):
+    from parallama.models import hf_logits
+
+    monkeypatch.setattr(hf_logits, "transformers_installed", lambda: False)
+    torch.manual_seed(0)
+    ckpt = checkpoint_of(tmp_path / "last.ckpt", Llama(LlamaConfig(**SHAPE)), "llama", SHAPE)
+    export_main([f"ckpt_path={ckpt}", f"out_dir={tmp_path / 'hf'}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (
+        "export: not verified: transformers is not installed, so the folder's logits were not compared with the "
+        "model's (pip install 'parallama[export]')"
+    )
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

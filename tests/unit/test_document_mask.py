@@ -16,7 +16,6 @@ from parallama.errors import ConfigError
 from parallama.models.llama import masks
 from parallama.models.llama import model as model_module
 from parallama.models.llama.config import LlamaConfig
-from parallama.models.llama.masks import document_mask
 from parallama.models.llama.model import Llama
 from parallama.tokenizer import IGNORE_INDEX, SpecialIds
 
@@ -173,10 +172,13 @@ def test_flex_attention_block_mask_equals_sdpa_mask():
     g = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(2, 4, 40, 16, generator=g), *torch.randn(2, 2, 2, 40, 16, generator=g)
     documents = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 40])
-    dense = document_mask(documents, flex=False)
+    mask_mod = masks.within_documents(masks.causal, documents)
+    dense = masks.build(mask_mod, 2, 40, 40, "cpu")
     assert dense.shape == (2, 1, 40, 40) and dense.dtype == torch.bool
     expected = F.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True)
-    got = flex_attention(q, k, v, block_mask=document_mask(documents, flex=True), enable_gqa=True)
+    got = flex_attention(
+        q, k, v, block_mask=masks.build(mask_mod, 2, 40, 40, "cpu", flex=True), enable_gqa=True
+    )
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 

@@ -12,6 +12,7 @@ import ast
 import difflib
 import functools
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def _check_trainer_keys(trainer: DictConfig) -> None:
 def check_inputs(cfg: DictConfig) -> None:
     """The files a run reads, checked before anything is printed or built: a checkpoint to resume exists and
     was trained with this run's model settings, a data source's paths match files, `init_from` is a Hugging
-    Face folder of the model's family. (The run checks them again where it reads them.)"""
+    Face folder of the model's family, from which transformers computes the family's model's logits
+    (models/hf_logits.py). (The run checks them again where it reads them.)"""
     from parallama.checkpoint.resume import check_model_matches, missing_ckpt_path
 
     ckpt_path = cfg.get("ckpt_path")
@@ -103,9 +105,14 @@ def check_inputs(cfg: DictConfig) -> None:
     if cfg.get("init_from"):
         from parallama.models import model_spec
 
-        spec = model_spec(OmegaConf.to_container(cfg.model, resolve=True))
+        fields = OmegaConf.to_container(cfg.model, resolve=True)
+        spec = model_spec(fields)
         if spec.hf_path is not None:
+            from parallama.models.hf_logits import check_init_from
+
             spec.hf.load_hf_config(cfg.init_from, spec.config)
+            if unverified := check_init_from(spec, cfg.init_from, fields):
+                logging.getLogger("parallama").warning(unverified)
 
 
 def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:

@@ -5,8 +5,11 @@ The cp ranks of a data-parallel rank see the same batch. `sharded_batch` gives e
 torch's load-balanced order (rank r holds chunks r and 2cp-1-r of 2cp, so every rank does the same share of
 causal attention), with the absolute `position_ids` of those tokens (the rotary tables are indexed by them, so a
 shard rotates its queries and keys by their own positions). Inside it, SDPA on q/k/v of the shard is the ring:
-keys and values travel round the cp group. `mean_loss` makes the batch's loss (every token counted once) and a
-gradient that FSDP's average over dp_shard x cp (`data_parallel_mesh`) turns into the batch's gradient.
+keys and values travel round the cp group. The ring is plain causal: the model builds no mask for the plain
+pattern (`Attention.is_causal`), and an attention with a pattern of its own says it cannot run here
+(`Attention.layout_refusal`), refused before any rank starts (parallel/layout_checks.py). `mean_loss` makes the
+batch's loss (every token counted once) and a gradient that FSDP's average over dp_shard x cp
+(`data_parallel_mesh`) turns into the batch's gradient.
 
 On CPU torch's ring has no kernel (it dispatches only CUDA's flash/efficient/cudnn SDPA); parallama registers the
 CPU flash kernel as its local op (runtime/compat.py), so the same code path trains on gloo.
@@ -96,7 +99,7 @@ class ContextParallelStep:
             else:
                 logits = module(local["input_ids"], position_ids=local["position_ids"])
                 if not torch.is_grad_enabled():
-                    module.on_validation_logits(logits, local["labels"])
+                    module.validation_logits(logits, local["labels"])
                 loss_sum = module.loss_fn(logits, labels, reduction="sum")
         loss = mean_loss(loss_sum, (labels != IGNORE_INDEX).sum(), cp_mesh)
         if not torch.is_grad_enabled():

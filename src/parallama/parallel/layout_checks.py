@@ -1,12 +1,14 @@
 """What each dimension of a model_parallel layout needs of the model, the data and the schedule, checked with the
 rest of the config before any work (app/checks.py calls `check_layout`): tensor parallelism splits heads, the
 MLP and the vocabulary; context parallelism two chunks of each sequence per rank; a pipeline its layers into
-stages and its batch into microbatches. Each failure is one line naming the keys. No torch import.
+stages and its batch into microbatches; and what the model's own parts say they cannot do under the layout
+(`layout_refusal`: an attention pattern that context parallel's ring cannot run). Each failure is one line naming
+the keys. No torch import but for that last check, and only under cp or tp.
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from parallama.distributed.dims import dims_of_config
 from parallama.distributed.options import FORWARDS_FIRST, SINGLE_STAGE, V_SHAPED, stages_per_rank
@@ -29,6 +31,8 @@ def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
         _check_tensor_parallel(cfg, dims.tp)
     if dims.ep > 1:
         _check_expert_parallel(cfg, dims.ep)
+    if dims.cp > 1 or dims.tp > 1:  # each attention call sees part of the sequence, or of the heads
+        _check_model_parts(cfg, dims)
     if dims.tp > 1 and cfg.compile is True and not on_gpu:  # `auto` is off on CPU
         raise ConfigError(
             "compile=true with strategy.tp > 1 computes wrong gradients on CPU (measured with torch 2.13: "
@@ -132,6 +136,25 @@ def _check_context_parallel(cfg: DictConfig, dims) -> None:
             f"strategy.sequence_parallel=true with strategy.cp={cp} splits each cp rank's {seq_len // cp} tokens "
             f"over strategy.tp={dims.tp}: make data.seq_len a multiple of cp x tp = {cp * dims.tp}"
         )
+
+
+def _check_model_parts(cfg: DictConfig, dims) -> None:
+    """A part of the model that has rules for a layout says so itself: each module with a `layout_refusal(dims)`
+    (models/llama/model.py `Attention`: a pattern of its own under cp) is asked, on the model built on the meta
+    device (no memory, no weights), before any rank starts."""
+    import torch
+
+    from parallama.models import model_spec
+
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields["vocab_size"] = fields.get("vocab_size") or 64  # filled in from the tokenizer later: any size does
+    spec = model_spec(fields)
+    with torch.device("meta"):
+        model = spec.model(spec.build_config(fields))
+    for module in model.modules():
+        refusal = getattr(module, "layout_refusal", None)
+        if refusal is not None and (line := refusal(dims)):
+            raise ConfigError(line)
 
 
 def _check_tensor_parallel(cfg: DictConfig, tp: int) -> None:

@@ -3,8 +3,9 @@
 Every path calls it: a plain forward (`CausalLM.loss`), the pipeline's last stage and context parallel (both sum it
 and divide by the batch's labelled tokens themselves), and tensor parallel, where the logits are a DTensor sharded
 on the vocabulary inside `loss_parallel()`: each term below is written with ops that DTensor shards that way (no
-rank gathers the logits). A loss term of your own: subclass `CrossEntropy` and name it in `loss._target_`
-(docs/customize.md).
+rank gathers the logits). The loss is a sum of named terms (`CrossEntropy.terms`): the cross-entropy, which val/loss
+and val/ppl report alone (comparable across runs), and each addition, logged as val/<name>. A loss term of your own:
+subclass `CrossEntropy`, add it in `terms` and name the class in `loss._target_` (docs/customize.md).
 
 `impl="fused"` computes the head's matmul and the loss together, chunk by chunk, so the (tokens, vocab) logits and
 their gradient never exist whole (`fused`): the model hands over its final hidden states and its head
@@ -65,8 +66,16 @@ class CrossEntropy:
     def __call__(self, logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
         """`logits` (..., vocab) against `labels` (...), IGNORE_INDEX skipped: the mean over the labelled tokens,
         or with reduction="sum" their sum (the caller divides by a count over more than this batch)."""
+        return _reduced(sum(self.terms(logits, labels).values()), labels.flatten(), reduction)
+
+    def terms(self, logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        """The loss's terms, each summed over the labelled tokens, which `__call__` adds up: `cross_entropy` (what
+        val/loss and val/ppl report), then what this loss adds to it, each logged as val/<name>: `label_smoothing`
+        (its pull toward the uniform target), `z_loss`. A term of your own: override this and return
+        `{**super().terms(logits, labels), "<name>": ...}` (docs/customize.md)."""
         logits, labels = logits.flatten(0, -2).float(), labels.flatten()
-        loss = _full(F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        cross_entropy = _full(F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        terms = {"cross_entropy": cross_entropy}
         if self.label_smoothing or self.z_loss:
             labelled = labels != IGNORE_INDEX
             # log-sum-exp by hand: torch.logsumexp has no vocab-sharded DTensor rule
@@ -74,10 +83,10 @@ class CrossEntropy:
             lse = _full((logits - peak).exp().sum(-1).log() + peak.squeeze(-1))
             if self.label_smoothing:  # -mean_c log p_c = lse - mean_c logit_c, per labelled token
                 uniform = torch.where(labelled, lse - _full(logits.mean(-1)), 0).sum()
-                loss = (1 - self.label_smoothing) * loss + self.label_smoothing * uniform
+                terms["label_smoothing"] = self.label_smoothing * (uniform - cross_entropy)
             if self.z_loss:
-                loss = loss + self.z_loss * torch.where(labelled, lse.square(), 0).sum()
-        return _reduced(loss, labels, reduction)
+                terms["z_loss"] = self.z_loss * torch.where(labelled, lse.square(), 0).sum()
+        return terms
 
     # --- the fused head and loss (impl="fused") ---------------------------------------------------------
 
@@ -141,7 +150,7 @@ FUSED_PATHS = {
 def fused_path(loss_fn: CrossEntropy, head: nn.Module) -> str:
     """Which computation `CrossEntropy.fused` takes for `head`: "parallama" on a plain bias-free `nn.Linear`'s
     weight, whole or vocab-parallel. "checkpointed" where the gradient cannot be computed ahead: a subclass's own
-    `__call__` (a term of its own, run on each chunk's logits), a head module of another kind (its forward is not
+    `terms` or `__call__` (a term of its own, run on each chunk's logits), a head module of another kind (its forward is not
     a matmul by the weight), and DeepSpeed's ZeRO-3, whose hooks gather the partitioned weight only when the head
     module itself is called (read outside it, the weight is an empty partition).
 
@@ -151,7 +160,9 @@ def fused_path(loss_fn: CrossEntropy, head: nn.Module) -> str:
     vocabulary, so one implementation serves every run."""
     weight = head.weight
     plain_head = type(head) is nn.Linear and head.bias is None and not hasattr(weight, "ds_id")
-    own_terms = type(loss_fn).__call__ is not CrossEntropy.__call__
+    own_terms = (
+        type(loss_fn).__call__ is not CrossEntropy.__call__ or type(loss_fn).terms is not CrossEntropy.terms
+    )
     sharded_otherwise = isinstance(weight, DTensor) and not vocab_parallel(weight)
     return "parallama" if plain_head and not (own_terms or sharded_otherwise) else "checkpointed"
 
@@ -164,6 +175,18 @@ def _say_once(path: str) -> None:
     if path not in _said:
         _said.add(path)
         log.info(f"loss.impl=fused: {FUSED_PATHS[path]}")
+
+
+def term_names(loss_fn) -> list[str]:
+    """The names of the loss's terms (`CrossEntropy.terms`), `cross_entropy` first; a loss of the user's own that is
+    not a `CrossEntropy` is reported as the plain cross-entropy's (`validation_terms`)."""
+    return list(validation_terms(loss_fn, torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)))
+
+
+def validation_terms(loss_fn, logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """The terms validation logs (`CausalLM.validation_logits`): the loss's own, or where the loss is some other
+    callable the plain cross-entropy, so that val/loss is the cross-entropy on every run."""
+    return (loss_fn if isinstance(loss_fn, CrossEntropy) else CrossEntropy()).terms(logits, labels)
 
 
 def _reduced(loss: Tensor, labels: Tensor, reduction: str) -> Tensor:

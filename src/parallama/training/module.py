@@ -16,14 +16,21 @@ from parallama.checkpoint.formats import INFO_KEY
 from parallama.config.parts import instantiate_part
 from parallama.distributed.context import ContextParallelStep
 from parallama.distributed.options import compile_enabled, loss_fuses
-from parallama.errors import TrainingDiverged
+from parallama.errors import ConfigError, TrainingDiverged
 from parallama.models import model_spec
 from parallama.models.contract import check_model, parameter_count_note
 from parallama.parallel.base import OutsideATrainer, Parallelism, data_parallel
 from parallama.tokenizer import IGNORE_INDEX
 from parallama.training import syncs
+from parallama.training.loss import term_names, validation_terms
 from parallama.training.muon import mark_hidden_matrices
-from parallama.training.optim import optimizer_factory, with_fused_default
+from parallama.training.optim import (
+    modes_refusal,
+    optimizer_factory,
+    set_modes,
+    stacked_warmup,
+    with_fused_default,
+)
 
 log = logging.getLogger("parallama")
 
@@ -57,7 +64,9 @@ class CausalLM(L.LightningModule):
         self.config = self.spec.build_config(model)
         self.loss_fn = instantiate_part(loss or {"_target_": "parallama.training.loss.CrossEntropy"}, "loss")
         self.model: torch.nn.Module | None = None
-        self.val_loss = MeanMetric()
+        self.val_loss = MeanMetric()  # the cross-entropy alone: val/loss, val/ppl
+        # the loss's other terms (z-loss, label smoothing's, a subclass's own), each logged as val/<name>
+        self.val_terms = torch.nn.ModuleDict({name: MeanMetric() for name in term_names(self.loss_fn)[1:]})
         self.tokens_seen = 0  # global count, restored on resume
         self.data_parallel_size = (
             1  # the replicas a step trains on (tokens seen count them), set when fit starts
@@ -126,7 +135,7 @@ class CausalLM(L.LightningModule):
                 return self.model.head(hidden, self.loss_fn.head_loss(batch["labels"]))
         logits = self.model(*inputs, **documents)
         if not torch.is_grad_enabled():
-            self.on_validation_logits(logits, batch["labels"])
+            self.validation_logits(logits, batch["labels"])
         training = torch.is_grad_enabled() and self.compiled_loss is not None
         with record_function("parallama.loss"):
             return (self.compiled_loss if training else self.loss_fn)(logits, batch["labels"])
@@ -139,6 +148,17 @@ class CausalLM(L.LightningModule):
             return 0.0
         loss, self.auxiliary_metrics = self.model.auxiliary_loss()
         return loss
+
+    def validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """What every path does with validation's logits (this rank's part of them, see `on_validation_logits`): each
+        term of the loss into its metric, the cross-entropy alone into val/loss (so that val/loss and val/ppl
+        compare across runs whatever the loss adds), then the hook of a module of your own."""
+        terms = validation_terms(self.loss_fn, logits, labels)
+        count = (labels != IGNORE_INDEX).sum()
+        for name, value in terms.items():
+            metric = self.val_loss if name == "cross_entropy" else self.val_terms[name]
+            metric.update(value.detach() / count.clamp(min=1), weight=count)
+        self.on_validation_logits(logits, labels)
 
     def on_validation_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Validation metrics on the logits (B, T, vocab) and their labels (IGNORE_INDEX: not a target): this
@@ -228,6 +248,13 @@ class CausalLM(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         if hasattr(self.model, "after_optimizer_step"):
             self.model.after_optimizer_step()
+        # An optimizer with modes (schedule-free) is in eval mode outside its steps: whatever reads the weights
+        # between two steps (validation, every checkpoint, the sample, downstream evaluation) reads the ones to use
+        set_modes(self.trainer.optimizers, train=False)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """An optimizer with modes trains in train mode, from its batches' forward passes to its step."""
+        set_modes(self.trainer.optimizers, train=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a
@@ -267,6 +294,8 @@ class CausalLM(L.LightningModule):
             if isinstance(metric, Metric):
                 metric.reset()
         self._apply_configured_lr()
+        if message := modes_refusal(self.optimizer_class, self.trainer.optimizers):
+            raise ConfigError(message)
 
     def _apply_configured_lr(self) -> None:
         """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks
@@ -285,14 +314,19 @@ class CausalLM(L.LightningModule):
                 group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss = self.step_loss(batch)
-        self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
+        self.step_loss(batch)  # each path hands its logits to `validation_logits`, which updates the metrics
 
     def on_validation_epoch_end(self) -> None:
+        for metric in (self.val_loss, *self.val_terms.values()):
+            if not metric.update_called:  # a pipeline's earlier stages saw no logits: they count no token
+                metric.update(0.0, weight=0)
         loss = self.val_loss.compute()  # synced across ranks by torchmetrics
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)  # identical on every rank
         self.log("val/ppl", torch.exp(loss))
+        for name, metric in self.val_terms.items():
+            self.log(f"val/{name}", metric.compute())
+            metric.reset()
 
     def param_groups(self) -> list[dict]:
         """The optimizer's parameter groups: matrices (embeddings, projections, head) decay with the optimizer's
@@ -317,6 +351,7 @@ class CausalLM(L.LightningModule):
             groups = mark_hidden_matrices(groups, self.model)
         optimizer = strategy.build_optimizer(factory, groups)
         self.configured_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.optimizer_class = factory.func
 
         schedule = instantiate_part(self.hparams.scheduler, "scheduler")
         # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
@@ -325,6 +360,8 @@ class CausalLM(L.LightningModule):
             schedule = replace(schedule, warmup_steps="auto")
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
+        if (note := stacked_warmup(optimizer, scheduler)) and self.global_rank == 0:
+            log.warning(note)
         # An explicit name (the configured class's) keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms)
         # the same under every strategy; LearningRateMonitor would otherwise use the wrapper's class
         # (ZeroRedundancyOptimizer) or DeepSpeed's CPU Adam.

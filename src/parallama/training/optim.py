@@ -71,3 +71,45 @@ def peak_lr(factory: Callable) -> float:
         return factory.keywords["lr"]
     default = inspect.signature(factory.func).parameters.get("lr")
     return default.default if default is not None else float("nan")
+
+
+# --- optimizers with modes -----------------------------------------------------------------------------------
+
+
+def has_modes(optimizer) -> bool:
+    """Whether `optimizer` (an instance or its class) has a train and an eval mode, as schedule-free optimizers do:
+    they train at one point and evaluate at another, and `train()`/`eval()` move the weights between the two."""
+    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+
+
+def set_modes(optimizers, train: bool) -> None:
+    """Each optimizer with modes in train (or eval) mode; a no-op for one already in it, and for the others."""
+    for optimizer in optimizers:
+        if has_modes(optimizer):
+            optimizer.train() if train else optimizer.eval()
+
+
+def modes_refusal(optimizer_class: type, optimizers) -> str | None:
+    """Why a run cannot train `optimizer_class`, which has modes: the strategy wrapped it in an optimizer of its own
+    that does not pass `train()`/`eval()` on (ZeroRedundancyOptimizer, DeepSpeed's ZeRO)."""
+    if not has_modes(optimizer_class) or any(has_modes(o) for o in optimizers):
+        return None
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    wrapper = type(optimizers[0]).__name__ if optimizers else "the strategy's optimizer"
+    return (
+        f"optimizer._target_={name} has train and eval modes, which {wrapper} does not pass on; use strategy=auto, "
+        "ddp or fsdp"
+    )
+
+
+def stacked_warmup(optimizer, scheduler) -> str | None:
+    """The warning for a schedule that warms the learning rate up on top of the optimizer's own warmup (a
+    schedule-free optimizer's `warmup_steps`): the first steps would take the product of both."""
+    own = max((group.get("warmup_steps") or 0 for group in optimizer.param_groups), default=0)
+    first = scheduler.lr_lambdas[0](0)
+    if not own or first >= 1:
+        return None
+    return (
+        f"optimizer.warmup_steps={own} warms the learning rate up itself, and the scheduler warms it up again on top "
+        f"(its multiplier starts at {first:g}): use scheduler=constant, or optimizer.warmup_steps=0"
+    )

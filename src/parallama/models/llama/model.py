@@ -103,6 +103,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
 
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """Whether the query at position `q_idx` attends to the key at `kv_idx` (FlexAttention's mask_mod): the one
+        place the attention pattern lives. Every mask of a forward pass is built from it (`masks`: training's SDPA
+        mask, FlexAttention's BlockMask, the KV cache's slot mask), so a subclass that overrides it (a sliding
+        window, docs/customize.md) is honoured by training, generation and evaluation alike."""
+        return masks.causal(b, h, q_idx, kv_idx)
+
+    @property
+    def is_causal(self) -> bool:
+        """Plain causal attention: SDPA's fast path (no mask built) and context parallel's ring attention."""
+        return type(self).mask_mod is Attention.mask_mod
+
+    def layout_refusal(self, dims) -> str | None:
+        """Why this attention cannot run under the parallel layout `dims` (`parallel.dims.ParallelDims`), else None;
+        asked before any rank starts (parallel/layout_checks.py). Context parallel runs torch's ring attention,
+        which is plain causal: a pattern of a subclass's own has no place there."""
+        if dims.cp > 1 and not self.is_causal:
+            name = type(self).__name__
+            return (
+                f"strategy.cp={dims.cp} runs torch's causal ring attention, which has no place for {name}'s own "
+                f"pattern ({name}.mask_mod); use strategy.cp=1"
+            )
+        return None
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values, each (B, T, heads, head_dim) (the heads this rank holds under tensor
         parallelism), before rope: the step a family changes (models/qwen3 normalizes q and k here)."""
@@ -113,7 +137,8 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, input_pos=None) -> Tensor:
-        """``attn_mask=None`` means plain causal attention (SDPA's fast path); a ``BlockMask`` runs FlexAttention."""
+        """``attn_mask=None`` means plain causal attention (SDPA's fast path); a ``BlockMask`` runs FlexAttention;
+        either way built by the model from `mask_mod`."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.project(x))  # (B, heads, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -241,17 +266,22 @@ class Llama(nn.Module):
           ``position_ids`` (B, T) that restart at 0 with every document too, and each document's logits are
           those of the document alone (the data module's ``document_mask=true`` gives both).
         - ``kv_cache`` (from ``new_kv_cache``) needs ``input_pos``, the 1D positions of the given
-          tokens: their keys/values go to those cache slots and a query at position p attends to
-          slots <= p. This serves a multi-token prefill as well as single-token decode steps.
+          tokens: their keys/values go to those cache slots and a query at position p attends to the
+          slots the pattern allows it (<= p, causal). This serves a multi-token prefill as well as single-token
+          decode steps.
+
+        Every mask comes from the attention's pattern, `Attention.mask_mod` (the blocks share one), combined with
+        the padding, the documents or the cache slots in `masks`.
         """
-        T, device = input_ids.shape[1], input_ids.device
+        (B, T), device = input_ids.shape[:2], input_ids.device
+        pattern = next(iter(self.layers.values())).self_attn
+        mask_mod, mask = pattern.mask_mod, None
         if kv_cache is not None:
             if input_pos is None or any(x is not None for x in (attention_mask, position_ids, document_ids)):
                 raise ValueError(
                     "kv_cache needs input_pos and takes no attention_mask, position_ids or document_ids"
                 )
-            slots = torch.arange(kv_cache[0].max_len, device=device)
-            mask = slots <= input_pos[:, None]  # (T, max_len), broadcast over batch and heads
+            mask = masks.build(masks.at_positions(mask_mod, input_pos), None, T, kv_cache[0].max_len, device)
         elif T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} > model.max_position_embeddings")
         elif document_ids is not None:
@@ -259,9 +289,12 @@ class Llama(nn.Module):
                 raise ValueError(
                     "document_ids and attention_mask exclude each other (packed vs padded samples)"
                 )
-            mask = masks.document_mask(document_ids, flex=device.type in masks.FLEX_ATTENTION_DEVICES)
-        else:
-            mask = None if attention_mask is None else masks.padding_mask(attention_mask)
+            flex = device.type in masks.FLEX_ATTENTION_DEVICES
+            mask = masks.build(masks.within_documents(mask_mod, document_ids), B, T, T, device, flex=flex)
+        elif attention_mask is not None:
+            mask = masks.build(masks.with_padding(mask_mod, attention_mask), B, T, T, device)
+        elif not pattern.is_causal:
+            mask = masks.build(mask_mod, None, T, T, device)
         rope = self.rotary_emb
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         # Tables stay float32 (e.g. under FSDP mixed precision); rope runs in h's dtype, as in HF.

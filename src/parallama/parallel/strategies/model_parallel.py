@@ -141,7 +141,7 @@ class ModelParallel(FSDP2):
                 pp_group,
                 self.root_device,
                 module.loss_fn,
-                module.on_validation_logits,
+                module.validation_logits,
             )
         return model
 

@@ -24,7 +24,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
 from parallama import CONF_DIR
-from parallama.training import run, syncs
+from parallama.app import run
+from parallama.training import syncs
 from parallama.training.schedules import WarmupCosine
 
 STEPS, EVERY, BATCH, SEQ = 12, 5, 4, 64

@@ -10,10 +10,12 @@ from parallama.cli import app
 
 
 def export(cfg: DictConfig) -> None:
+    from parallama.checkpoint.integrity import checksum_folder
     from parallama.checkpoint.read import load_checkpoint
 
-    ckpt = load_checkpoint(cfg.ckpt_path)
+    ckpt = load_checkpoint(cfg.ckpt_path)  # checked against its checksums first
     ckpt.spec.hf.save_hf_folder(cfg.out_dir, ckpt.state_dict, ckpt.config, ckpt.tokenizer_json)
+    checksum_folder(cfg.out_dir)  # checksums.json: parallama-eval/-generate model_dir= check it
     note = "" if ckpt.tokenizer_json else " (no tokenizer: the checkpoint predates embedded tokenizers)"
     print(f"exported {cfg.ckpt_path} (step {ckpt.meta.get('global_step', '?')}) to {cfg.out_dir}{note}")
 

@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 
-from parallama.checkpoint.resume import last_checkpoint_note
+from parallama.checkpoint.resume import last_checkpoint_note, resume_overrides
 from parallama.errors import ConfigError
 from parallama.runtime.launch import started_ranks
 
@@ -31,17 +31,17 @@ class RankDied(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0, its last
-    line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
+    """Raised on every rank at the same optimizer step, once `checkpoint` is saved: the run ends with 0, its last
+    line `line` (how to resume it). `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
     then SIGKILL, while its ranks wind down)."""
 
-    def __init__(self, message: str, said: bool = False):
+    def __init__(self, message: str, checkpoint: str, said: bool = False):
         super().__init__(message)
-        self.said = said
+        self.checkpoint, self.said = checkpoint, said
 
     @property
     def line(self) -> str:
-        return f"{self}; resume with ckpt_path=last"
+        return f"{self}; resume with {resume_overrides(self.checkpoint)}"
 
 
 def check_multi_node(num_nodes: int) -> None:
@@ -92,10 +92,7 @@ class _RankWatch(threading.Thread):
         return None
 
     def line(self, who: str) -> str:
-        return (
-            f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}; "
-            "resume with ckpt_path=last"
-        )
+        return f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}"
 
     def run(self) -> None:
         from lightning.pytorch.trainer.states import TrainerStatus

@@ -207,13 +207,13 @@ class PreemptionCheckpoint(Callback):
                 self._requeued = True
                 trainer.strategy.barrier("requeue")  # every rank has saved
                 if not trainer.is_global_zero:
-                    raise Preempted(f"{message}; rank 0 requeues the job")
+                    raise Preempted(f"{message}; rank 0 requeues the job", self.path)
                 # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
                 # last line, in tests/slurm/test_srun.py)
-                stopped = Preempted(f"{message}; {requeue_slurm_job()}", said=True)
+                stopped = Preempted(f"{message}; {requeue_slurm_job()}", self.path, said=True)
                 log.warning(stopped.line)
                 raise stopped
-            raise Preempted(message)
+            raise Preempted(message, self.path)
 
     def _agree_now(self, trainer) -> bool:
         n = self.every_n_steps or (max(trainer.log_every_n_steps, 1) if syncs.device_waits(trainer) else 1)

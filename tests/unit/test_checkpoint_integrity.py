@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from corruption import flip_a_tensor_byte
 
 from parallama.checkpoint import integrity
-from parallama.checkpoint.atomic import AtomicFolderCheckpoints, save_file
+from parallama.checkpoint.atomic import AtomicCheckpointIO, AtomicFolderCheckpoints, save_file
 from parallama.checkpoint.read import load_checkpoint
 from parallama.checkpoint.resume import last_checkpoint_note, resolve_ckpt_path
 from parallama.checkpoint.untrusted import verify_checkpoint
@@ -47,11 +47,26 @@ class _DCPWriter:
         torch.save(state, filepath / "meta.pt")
 
 
-class DCPRun(AtomicFolderCheckpoints, _DCPWriter):
+class OneProcess:
     is_global_zero = True
 
     def barrier(self, name=None):
         pass
+
+
+class DCPRun(OneProcess, AtomicFolderCheckpoints, _DCPWriter):
+    pass
+
+
+class _FullStateWriter:
+    """FSDP with save_distributed_checkpoint=false: rank 0 writes one file through the checkpoint IO."""
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        AtomicCheckpointIO().save_checkpoint(checkpoint, filepath)
+
+
+class FullStateRun(OneProcess, AtomicFolderCheckpoints, _FullStateWriter):
+    pass
 
 
 def one_error(call) -> str:
@@ -111,6 +126,14 @@ def test_a_dcp_folder_carries_its_checksums_and_a_missing_shard_is_one_line(tmp_
     assert message == f"checkpoint {flipped} is missing (listed in {path / 'checksums.json'})"
     (path / "checksums.json").unlink()  # as written before checksums: still one line, not "[Errno 2]"
     assert one_error(lambda: verify_checkpoint(path)).startswith(f"checkpoint {flipped} is missing")
+
+
+def test_a_full_state_file_written_as_partial_keeps_its_checksum_when_renamed(tmp_path):
+    path = tmp_path / "last.ckpt"
+    for step in (1, 2):
+        FullStateRun().save_checkpoint(checkpoint(step), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.checksums.json"]
+    assert integrity.problem(path) is None and load_checkpoint(path).meta["global_step"] == 2
 
 
 def test_a_folder_without_checksums_loads_with_one_note(tmp_path, caplog):

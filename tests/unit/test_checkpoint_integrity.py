@@ -220,3 +220,5 @@ def test_stopped_runs_advise_only_a_resume_that_can_happen(tmp_path):
     assert stopped.line.endswith(f"; resume with hydra.run.dir={tmp_path} ckpt_path=last")
     elsewhere = Preempted("stopped by SIGTERM at step 3", str(tmp_path / "mine.ckpt"))
     assert elsewhere.line.endswith(f"; resume with ckpt_path={tmp_path / 'mine.ckpt'}")
+    requeued = Preempted("stopped by SIGUSR1 at step 3; requeued SLURM job 7: it resumes from there")
+    assert requeued.line == str(requeued)  # SLURM resumes it: no advice

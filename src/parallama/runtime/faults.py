@@ -31,17 +31,18 @@ class RankDied(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised on every rank at the same optimizer step, once `checkpoint` is saved: the run ends with 0, its last
-    line `line` (how to resume it). `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
+    """Raised on every rank at the same optimizer step, once last.ckpt (`checkpoint`) is saved: the run ends with
+    0, its last line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
     then SIGKILL, while its ranks wind down)."""
 
-    def __init__(self, message: str, checkpoint: str, said: bool = False):
+    def __init__(self, message: str, checkpoint: str | None = None, said: bool = False):
         super().__init__(message)
         self.checkpoint, self.said = checkpoint, said
 
     @property
     def line(self) -> str:
-        return f"{self}; resume with {resume_overrides(self.checkpoint)}"
+        """The message and, for a `checkpoint` the user resumes (not a requeued SLURM job's), the overrides."""
+        return f"{self}; resume with {resume_overrides(self.checkpoint)}" if self.checkpoint else str(self)
 
 
 def check_multi_node(num_nodes: int) -> None:

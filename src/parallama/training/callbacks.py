@@ -207,10 +207,11 @@ class PreemptionCheckpoint(Callback):
                 self._requeued = True
                 trainer.strategy.barrier("requeue")  # every rank has saved
                 if not trainer.is_global_zero:
-                    raise Preempted(f"{message}; rank 0 requeues the job", self.path)
+                    raise Preempted(f"{message}; rank 0 requeues the job")
                 # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
                 # last line, in tests/slurm/test_srun.py)
-                stopped = Preempted(f"{message}; {requeue_slurm_job()}", self.path, said=True)
+                requeued, words = requeue_slurm_job()  # if not, the line says how to resume it
+                stopped = Preempted(f"{message}; {words}", None if requeued else self.path, said=True)
                 log.warning(stopped.line)
                 raise stopped
             raise Preempted(message, self.path)

@@ -66,7 +66,9 @@ def missing_ckpt_path(ckpt_path: str) -> str | None:
     """The error line for a `ckpt_path` (not `last`) that does not exist; None when it does."""
     if Path(ckpt_path).exists():
         return None
-    return f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
+    return (
+        f"ckpt_path={ckpt_path} does not exist (give a checkpoint file or folder, a run directory, or `last`)"
+    )
 
 
 OWNER = ".owner.json"  # in the run directory: the live run that writes there

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from bench import data, ddp_scaling, gpu, loss, nd, optim_step, overhead, step_path, train_gpu
+from bench import checksum, data, ddp_scaling, gpu, loss, nd, optim_step, overhead, step_path, train_gpu
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -19,6 +19,7 @@ BENCHMARKS = {
     "train-gpu": train_gpu,
     "loss": loss,
     "optim-step": optim_step,
+    "checksum": checksum,
 }
 CPU_BENCHMARKS = ("overhead", "data", "ddp-scaling", "nd", "loss")
 

@@ -22,16 +22,17 @@ class RankDied(RuntimeError):
 
 class Preempted(Exception):
     """Raised on every rank at the same optimizer step, once last.ckpt is saved: the run ends with 0, its last
-    line `line`. `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM
-    then SIGKILL, while its ranks wind down)."""
+    line `line`. `resume`: the overrides that resume it (none for a requeued SLURM job, which resumes itself).
+    `said`: that line is logged already (a requeued SLURM job's rank 0: SLURM ends the job, SIGTERM then SIGKILL,
+    while its ranks wind down)."""
 
-    def __init__(self, message: str, said: bool = False):
+    def __init__(self, message: str, resume: str | None = None, said: bool = False):
         super().__init__(message)
-        self.said = said
+        self.resume, self.said = resume, said
 
     @property
     def line(self) -> str:
-        return f"{self}; resume with ckpt_path=last"
+        return f"{self}; resume with {self.resume}" if self.resume else str(self)
 
 
 def exit_status(err: BaseException) -> tuple[int | None, str]:

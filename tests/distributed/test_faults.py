@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import LONG, TINY, train, weights
 
+from parallama.checkpoint.integrity import has_checksums
 from parallama.checkpoint.read import load_checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -138,10 +139,13 @@ def stop_run(tmp_path, cache, strategy: str, target: str, signum: int, *args):
 
 
 def assert_stopped_cleanly(code, out, run, name: str) -> int:
-    """Exit 0, the one line, no traceback, a loadable checkpoint; returns its step."""
+    """Exit 0, the one line, no traceback, a loadable checkpoint whose checksums (every rank's files) check;
+    returns its step."""
     assert code == 0, out[-4000:]
-    assert f"stopped by {name} at step" in out and "resume with ckpt_path=last" in out, out[-3000:]
+    assert f"stopped by {name} at step" in out, out[-3000:]
+    assert f"; resume with hydra.run.dir={run} ckpt_path=last" in out, out[-3000:]
     assert "Traceback" not in out, out[-4000:]
+    assert has_checksums(run / "checkpoints" / "last.ckpt")  # load_checkpoint verifies them
     return load_checkpoint(run / "checkpoints" / "last.ckpt").meta["global_step"]
 
 
@@ -243,7 +247,8 @@ def test_kill_9_of_rank_1_ends_rank_0_with_one_line(tmp_path, data_cache):
     assert code == 4 and "Traceback" not in out, out[-4000:]
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "error: rank 1 died (killed by signal 9) at step" in errors[0], out[-3000:]
-    assert f"; last checkpoint: {run}/checkpoints/last.ckpt; resume with ckpt_path=last" in errors[0]
+    last = run / "checkpoints" / "last.ckpt"
+    assert f"; last checkpoint: {last}; resume with hydra.run.dir={run} ckpt_path=last" in errors[0]
 
 
 def test_kill_9_of_rank_0_ends_rank_1_with_one_line(tmp_path, data_cache):

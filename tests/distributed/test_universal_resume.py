@@ -25,13 +25,21 @@ test_resume.py.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
 from conftest import run_cli, train
+from corruption import flip_a_tensor_byte
 
-from parallama.checkpoint import universal
+from parallama.checkpoint import integrity, universal
 from parallama.checkpoint.formats import INFO_KEY
+from parallama.checkpoint.resume import check_model_matches, resolve_ckpt_path
+from parallama.cli.ckpt import main as convert_main
+from parallama.cli.evaluate import main as eval_main
+from parallama.cli.export import main as export_main
+from parallama.errors import ConfigError
 
 CONSTANT_LR = ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=1", "optimizer.lr=3e-4"]
 QUIET = ["trainer.limit_val_batches=0", "validate_before_training=false", "sample.max_new_tokens=0"]
@@ -209,3 +217,42 @@ def test_convert_writes_a_deepspeed_folder_that_deepspeed_resumes_natively(runs,
     trained = [i for k in range(4) for i in _indices(runs["dir"] / f"{_name(k)}.jsonl")]
     trained += _indices(tmp_path / "zero1.jsonl")
     assert trained == _indices(runs["dir"] / "ref.jsonl")[: len(trained)] and len(trained) == step * 4
+
+
+# The chain's links by the format they wrote: a ddp file, DeepSpeed folders at 1 and 2 ranks, FSDP's DCP folder.
+CORRUPTED = {"ddp2-file": 0, "ds3-folder": 1, "fsdp2-dcp": 2, "ds2@2-folder": 4}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("link", CORRUPTED.values(), ids=CORRUPTED)
+def test_a_flipped_tensor_byte_is_caught_by_resume_eval_export_and_convert(runs, link, tmp_path, capsys):
+    """Every format a run writes carries checksums, every rank's files hashed where they were written (the chain's
+    own checkpoints check); one byte flipped inside a tensor of a copy is refused, naming the file, by what a
+    resume reads first (ckpt_path resolved, the config check), by parallama-eval, -export and -ckpt convert."""
+    source = runs["dir"] / _name(link) / "checkpoints" / "last.ckpt"
+    assert integrity.has_checksums(source) and integrity.problem(source) is None
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    if source.is_dir():
+        shutil.copytree(source, ckpt)
+    else:
+        ckpt.parent.mkdir(parents=True)
+        for file in (source, integrity.sidecar(source)):
+            shutil.copy2(file, ckpt.parent / file.name)
+    line = f"checkpoint {flip_a_tensor_byte(ckpt)} is corrupt: its sha256 differs from the one "
+    for read in (
+        lambda: resolve_ckpt_path(str(ckpt), str(tmp_path / "new")),
+        lambda: check_model_matches(str(ckpt), {}, strict=False),
+        lambda: resolve_ckpt_path("last", str(tmp_path / "run")),  # its only checkpoint: none is intact
+    ):
+        with pytest.raises(ConfigError, match=re.escape(line)):
+            read()
+    for main, args in [
+        (eval_main, [f"ckpt_path={ckpt}"]),
+        (export_main, [f"ckpt_path={ckpt}", f"out_dir={tmp_path / 'hf'}"]),
+        (convert_main, ["convert", f"src={ckpt}", f"out={tmp_path / 'converted'}"]),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("error:")]
+        assert exited.value.code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {line}"), errors
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "converted").exists()

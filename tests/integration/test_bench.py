@@ -73,6 +73,15 @@ def test_ddp_scaling(capsys, tmp_path, cache):
     assert "parallama 2-process scaling" in text
 
 
+def test_checksum(capsys, tmp_path, cache):
+    """Both formats saved plain and checksummed, and verified: the seconds per GB docs/benchmarks.md quotes."""
+    text, result = run(capsys, tmp_path, cache, "checksum", "--dry-run", "--dir", str(tmp_path))
+    assert set(result["seconds_per_gb"]) == {"file", "dcp"}
+    assert all(v["verify"] > 0 for v in result["seconds_per_gb"].values())
+    assert set(result["hash_gb_per_s"]) == {"sha256", "blake2b"} and "one core hashes" in text
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # its checkpoints removed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the full ~10 minute benchmark")
 def test_gpu_without_cuda_exits_cleanly(capsys):
     main(["gpu"])

@@ -4,7 +4,7 @@ tests/legacy/<format>/ holds what the code of tests/legacy/make_checkpoints.py's
 file, an FSDP DCP folder, a DeepSpeed ZeRO-2 folder, and a single file of a vocabulary of 300, from before the
 head's matmul was padded to 320) and how that old code continued it: the new code must continue each one to the
 same weights, the same loss at every step (and validation loss, where it was recorded) and the same tokens seen,
-and export the true vocabulary.
+and export the true vocabulary. They predate checksums: each loads with the one line that says so.
 
 Bit for bit only on a machine like the one that wrote them: CPU kernels round differently across instruction
 sets (on an AVX-512 EPYC the continuation differs from the stored one by 1-2 float32 ulps, 3.7e-9 to 7.5e-9 on
@@ -50,7 +50,7 @@ def test_a_pre_reshape_checkpoint_resumes_exactly(name, tmp_path, data_cache):
         LEGACY / name / "last.ckpt", ckpt
     )
     run_dir = tmp_path / "run"
-    run_cli(
+    proc = run_cli(
         "parallama.cli.train",
         *reference["overrides"],
         f"trainer.max_steps={reference['resumed_to']}",
@@ -60,6 +60,10 @@ def test_a_pre_reshape_checkpoint_resumes_exactly(name, tmp_path, data_cache):
         cwd=tmp_path,
         timeout=600,  # a fresh environment JIT-builds DeepSpeed's CPU op on its first DeepSpeed run
     )
+    notes = [line for line in (proc.stdout + proc.stderr).splitlines() if "checksums" in line]
+    assert notes == [
+        f"checkpoint {ckpt} carries no checksums (written before they were recorded): not verified"
+    ]
     export_hf([f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"out_dir={tmp_path / 'hf'}"])
     actual, expected = (
         load_file(tmp_path / "hf" / "model.safetensors"),

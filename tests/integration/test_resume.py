@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from conftest import LONG, TINY, run_cli, train, weights
+from corruption import flip_a_tensor_byte
 
 
 def checkpoint_step(ckpt) -> int:
@@ -70,15 +71,53 @@ def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
         assert torch.equal(final["state_dict"][name], tensor), name  # bitwise: no batch repeated or skipped
 
 
-def test_ckpt_path_last_finds_the_newest_earlier_run(tiny_run, tmp_path, data_cache):
+def one_error(proc) -> str:
+    """The run was refused before training: exit 2, one error line and nothing else of note."""
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "Restoring states" not in out and "train/loss" not in out, out[-3000:]
+    return errors[0]
+
+
+def test_ckpt_path_last_never_resumes_another_run(tiny_run, tmp_path, data_cache):
+    """Found: a run killed before its first checkpoint, then `ckpt_path=last`, resumed an unrelated run, the
+    newest under logs/. Neither a new run directory nor the killed run's own resumes it: one line, no training."""
     earlier = tmp_path / "logs" / "train" / "runs" / "2000-01-01_00-00-00-000000"
-    shutil.copytree(tiny_run.dir, earlier)  # a finished run where a run without hydra.run.dir writes
-    second = train("trainer.max_steps=6", "ckpt_path=last", cwd=tmp_path, cache=data_cache)
-    out = second.stdout + second.stderr
-    found = earlier.relative_to(tmp_path) / "checkpoints" / "last.ckpt"  # logged relative to the working dir
-    assert f"Restoring states from the checkpoint path at {found}\n" in out
-    (own,) = set(earlier.parent.iterdir()) - {earlier}  # this run's own directory, beside the earlier one
-    assert (own / "checkpoints" / "last.ckpt").is_file()
+    shutil.copytree(tiny_run.dir, earlier)  # an unrelated finished run, where runs without hydra.run.dir go
+    before = {p: p.read_bytes() for p in earlier.rglob("*") if p.is_file()}
+    killed = tmp_path / "logs" / "train" / "runs" / "killed"
+    (killed / ".hydra").mkdir(parents=True)  # what a run killed before its first checkpoint leaves
+    for args, run in [(["ckpt_path=last"], None), (["ckpt_path=last"], killed)]:
+        proc = train(*args, cwd=tmp_path, cache=data_cache, run_dir=run, check=False)
+        line = one_error(proc)
+        assert "ckpt_path=last: this run's directory " in line and " has no checkpoint (looked for " in line
+        assert "or drop ckpt_path to start afresh" in line
+    assert {p: p.read_bytes() for p in earlier.rglob("*") if p.is_file()} == before
+
+
+def test_a_corrupt_checkpoint_is_refused_by_name_and_last_falls_back_to_an_intact_one(
+    tiny_run, tmp_path, data_cache
+):
+    """Found: bytes flipped inside the embedding's entry of last.ckpt resumed silently (and an intact
+    step*.ckpt sat unused beside it). Named explicitly it is refused in one line; `ckpt_path=last` says it skips
+    it and resumes the newest intact one."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run.dir, run)
+    last = run / "checkpoints" / "last.ckpt"
+    flip_a_tensor_byte(last)
+    proc = train(f"ckpt_path={last}", "trainer.max_steps=5", cwd=tmp_path, cache=data_cache, check=False)
+    assert one_error(proc).endswith(f"error: checkpoint {last} is corrupt: its sha256 differs from the one "
+                                    f"{last}.checksums.json recorded when it was written")  # fmt: skip
+    (intact,) = (run / "checkpoints").glob("step*.ckpt")  # the best by val/loss, at last.ckpt's step
+    one_step = ["trainer.max_steps=5", "sample.max_new_tokens=0"]
+    resumed = train(*one_step, "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)
+    out = resumed.stdout + resumed.stderr
+    assert (
+        f"ckpt_path=last: resuming {intact}; skipped: checkpoint {last} is corrupt: its sha256 differs" in out
+    )
+    assert f"Restoring states from the checkpoint path at {intact}" in out
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 5  # written anew, whole
 
 
 def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, data_cache):
@@ -86,7 +125,8 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, dat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-3000:]
     assert re.search(
-        r"error: train/loss is (nan|inf) at step \d+: .*\(no checkpoint was written yet\)", out
+        r"error: train/loss is (nan|inf) at step \d+: .*\(no checkpoint was written yet: nothing to resume",
+        out,
     ), out[-2000:]
     assert "Traceback" not in out
 
@@ -126,15 +166,15 @@ def test_resuming_a_checkpoint_of_another_model_shape_is_refused(finished, tmp_p
 def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
     """Found: two runs in one directory both exited 0 (the first one's last.ckpt overwritten, metrics.csv
     interleaved), and `ckpt_path=last` resumed a run that was still writing. While the first run lives, both are
-    one line; once it has stopped, `ckpt_path=last` resumes it."""
-    run = tmp_path / "logs" / "train" / "runs" / "alive"  # where ckpt_path=last looks from tmp_path
+    one line; once it has stopped, `ckpt_path=<its run dir>` resumes it."""
+    run = tmp_path / "logs" / "train" / "runs" / "alive"
     proc = start_training(tmp_path, data_cache, run)
     try:
         wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=3)
         proc.send_signal(signal.SIGSTOP)  # alive but paused: it cannot finish while the others start
         for args, needle in [
             ([f"hydra.run.dir={run}", "ckpt_path=last"], f"hydra.run.dir={run} belongs to a live run (pid "),
-            ([f"hydra.run.dir={tmp_path / 'second'}", "ckpt_path=last"], "whose run is still alive (pid "),
+            ([f"ckpt_path={run}"], f"ckpt_path={run} is a run that is still alive (pid "),
         ]:
             second = train(*args, cwd=tmp_path, cache=data_cache, check=False)
             assert second.returncode == 2, second.stderr[-2000:]
@@ -147,5 +187,5 @@ def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     assert not (run / ".owner.json").exists()  # released at its end
-    resumed = train("ckpt_path=last", "trainer.max_steps=41", cwd=tmp_path, cache=data_cache)
+    resumed = train(f"ckpt_path={run}", "trainer.max_steps=41", cwd=tmp_path, cache=data_cache)
     assert f"{run}" in resumed.stdout + resumed.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import shutil
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 from conftest import train
 
-from parallama.checkpoint.resume import resolve_ckpt_path
 from parallama.data.position import saved_position
 from parallama.errors import ConfigError
 
@@ -115,29 +113,6 @@ def test_a_resume_that_would_change_the_data_order_is_refused(
     assert proc.returncode == 2, out[-3000:]
     assert message in out and "Traceback" not in out
     assert len([line for line in out.splitlines() if "error:" in line]) == 1
-
-
-def test_ckpt_path_last_takes_the_newest_run_and_skips_sweeps(tmp_path):
-    runs, sweeps = tmp_path / "train" / "runs", tmp_path / "train" / "multiruns"
-    paths = {
-        "old": runs / "a" / "checkpoints" / "last.ckpt",
-        "swapping": runs / "b" / "checkpoints" / "last.ckpt.old",  # killed while swapping in a folder ckpt
-        "sweep": sweeps / "c" / "0" / "checkpoints" / "last.ckpt",
-    }
-    for age, path in enumerate(paths.values()):
-        path.parent.mkdir(parents=True)
-        path.write_text("x")
-        os.utime(path, (1000 + age, 1000 + age))
-    own = tmp_path / "new"
-    assert resolve_ckpt_path("last", str(own), str(runs)) == str(paths["swapping"])
-    with pytest.raises(ConfigError, match="no run under"):
-        resolve_ckpt_path("last", str(own), str(tmp_path / "other" / "runs"))
-    # killed during its first folder checkpoint's write: this run's partial one is named (not "no run under")
-    (own / "checkpoints" / "last.ckpt.partial").mkdir(parents=True)
-    with pytest.raises(
-        ConfigError, match=r"this run's only checkpoint is .*last.ckpt.partial, a save that was cut"
-    ):
-        resolve_ckpt_path("last", str(own), str(runs))
 
 
 @pytest.mark.parametrize(

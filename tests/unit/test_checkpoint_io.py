@@ -50,8 +50,9 @@ def test_save_writes_beside_the_target_never_in_tmpdir(trainer, tmp_path, monkey
         assert os.listdir(shm) == []
     finally:
         os.rmdir(shm)
-    assert renames == [(temp_path(path), path, [])]
-    assert os.listdir(path.parent) == ["last.ckpt"]
+    sidecar = path.with_name("last.ckpt.checksums.json")  # its checksum first (checkpoint/integrity.py)
+    assert renames == [(temp_path(sidecar), sidecar, []), (temp_path(path), path, [])]
+    assert sorted(os.listdir(path.parent)) == ["last.ckpt", "last.ckpt.checksums.json"]
     loaded = trainer.strategy.load_checkpoint(path)
     torch.testing.assert_close(loaded["state_dict"], trainer.lightning_module.state_dict())
 
@@ -78,9 +79,14 @@ def test_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_intact(small
     with pytest.raises(DiskFullError) as excinfo:
         io.save_checkpoint({"state_dict": {"w": torch.ones(1_000_000)}}, path)  # 4 MB: does not
     message = str(excinfo.value)
-    assert message.startswith(f"no space left on the device of {path.parent} writing last.ckpt; the previous")
+    assert message.startswith(
+        f"no space left on the device of {path.parent} writing last.ckpt; the checkpoints before"
+    )
     assert "\n" not in message and isinstance(excinfo.value, ConfigError)  # train.py reports it in one line
-    assert path.read_bytes() == before and os.listdir(path.parent) == ["last.ckpt"]
+    assert path.read_bytes() == before and sorted(os.listdir(path.parent)) == [
+        "last.ckpt",
+        "last.ckpt.checksums.json",
+    ]
 
 
 def test_a_full_disk_during_a_folder_checkpoint_is_one_line_too(small_disk):
@@ -108,6 +114,7 @@ def test_a_full_disk_during_a_folder_checkpoint_is_one_line_too(small_disk):
         Folders().save_checkpoint({"w": torch.ones(1_000_000)}, path)
     assert str(excinfo.value).startswith(f"no space left on the device of {path.parent} writing last.ckpt")
     assert os.listdir(path.parent) == ["last.ckpt"] and (path / ".metadata").is_file()
+    assert (path / "checksums.json").is_file()
 
 
 def test_an_interrupted_save_removes_its_temp_file(trainer, tmp_path, monkeypatch):

@@ -70,6 +70,8 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     from parallama.training.module import CausalLM
     from parallama.training.optim import optimizer_factory, peak_lr
 
+    # before anything is printed or built: a checkpoint to resume that is missing or corrupt is one line
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
     print_config(cfg)
     if (off := validation_off(cfg)) is not None:
         log.info(f"validation is off ({off}): no val/loss, no best checkpoint, and no final metrics")
@@ -98,8 +100,6 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
         _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
-    runs_root = str(Path(cfg.paths.log_dir) / cfg.task_name / "runs")
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, runs_root)
     continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
     # not config entries: `callbacks=none` keeps the rows' step numbers and a fraction's meaning

@@ -84,7 +84,11 @@ def client_state_file(path: str | os.PathLike) -> Path | None:
 
 
 def client_state(path: str | os.PathLike) -> dict:
-    """A checkpoint's non-tensor state, without its weights: read once per file (and again if it changes)."""
+    """A checkpoint's non-tensor state, without its weights: read once per file (and again if it changes), once
+    the checkpoint passed its checksums (the first byte of a checkpoint most readers use)."""
+    from parallama.checkpoint.integrity import verify
+
+    verify(path)
     file = client_state_file(path)
     if file is None:
         return {}

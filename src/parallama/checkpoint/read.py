@@ -17,6 +17,7 @@ from torch import Tensor
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
+from parallama.checkpoint.integrity import verify
 from parallama.errors import ConfigError
 from parallama.models import ModelSpec, model_spec
 from parallama.models.contract import load_state_into
@@ -60,6 +61,7 @@ def load_model(ckpt_path: str | None = None, model_dir: str | None = None):
     from parallama.tokenizer import from_pretrained
 
     if model_dir is not None:
+        verify(model_dir, note_missing=False)  # an export's checksums (a folder from the Hub has none)
         spec = spec_for_hf_folder(model_dir)
         model = spec.model(spec.hf.load_hf_config(model_dir, spec.config))
         spec.hf.load_hf_weights(model, model_dir)

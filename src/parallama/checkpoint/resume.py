@@ -1,7 +1,7 @@
-"""When and from what a run resumes, in one place: `ckpt_path` resolved (`last`), a fresh run refused where it
-would silently continue an old one, and a checkpoint checked before Lightning or DeepSpeed reads it (weights-only
-safe, the same model shape, something left to train, the same data order). Each refusal is one line naming the
-key; see README, "Long runs".
+"""When and from what a run resumes, in one place: `ckpt_path` resolved (`last`: this run's newest intact
+checkpoint; a run directory: that run's), a fresh run refused where it would silently continue an old one, and a
+checkpoint checked before Lightning or DeepSpeed reads it (its checksums, weights-only safe, the same model shape,
+something left to train, the same data order). Each refusal is one line naming the key; see README, "Long runs".
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from parallama.checkpoint.formats import client_state
+from parallama.checkpoint.integrity import note_once, problem, verify
 from parallama.errors import ConfigError
+from parallama.runtime.faults import run_checkpoints
 
 
 def check_fresh_run(cfg: DictConfig) -> None:
@@ -37,7 +39,9 @@ def missing_ckpt_path(ckpt_path: str) -> str | None:
     """The error line for a `ckpt_path` (not `last`) that does not exist; None when it does."""
     if Path(ckpt_path).exists():
         return None
-    return f"ckpt_path={ckpt_path} does not exist (give a checkpoint file/folder, or `last`)"
+    return (
+        f"ckpt_path={ckpt_path} does not exist (give a checkpoint file or folder, a run directory, or `last`)"
+    )
 
 
 OWNER = ".owner.json"  # in the run directory: the live run that writes there
@@ -110,43 +114,61 @@ def _alive(owner: dict) -> bool:
     return _start_time(int(owner.get("pid", -1))) == owner.get("started") is not None
 
 
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: str, runs_root: str) -> str | None:
-    """`last`: this run's last checkpoint, else the newest `last` checkpoint of the runs under runs_root
-    (`logs/<task>/runs`: a sweep's jobs are not "the newest run"; resume one by its path).
-
-    `last.ckpt.old` counts too: a folder checkpoint is `.old` for an instant while its successor is swapped in,
-    and a kill at that instant must not make `last` fall back to an older run.
-    """
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: str) -> str | None:
+    """The checkpoint a run resumes. `last`: this run's (its directory, `hydra.run.dir`) newest intact one; a run
+    directory: that run's; a checkpoint: itself, refused if it fails its checksums. Never another run's newest
+    (found: `ckpt_path=last` in a new run directory resumed an unrelated run)."""
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
-        if (line := missing_ckpt_path(ckpt_path)) is not None:
-            raise ConfigError(line)
-        return str(Path(ckpt_path).resolve())
-    own = Path(output_dir) / "checkpoints" / "last.ckpt"
-    for candidate in (own, own.with_name("last.ckpt.old")):
-        if candidate.exists():
-            return str(candidate)
-    if (
-        partial := own.with_name("last.ckpt.partial")
-    ).exists():  # its first save was cut off (checkpoint/atomic.py)
+        return checkpoint_of(ckpt_path)
+    partial = Path(output_dir) / "checkpoints" / "last.ckpt.partial"  # its first save was cut off (atomic.py)
+    if not run_checkpoints(output_dir) and partial.exists():
         raise ConfigError(
             f"ckpt_path=last: this run's only checkpoint is {partial}, a save that was cut off before it completed "
             "(nothing to resume); start afresh in a new hydra.run.dir, or give ckpt_path=<a whole checkpoint>"
         )
-    candidates = [
-        *Path(runs_root).glob("*/checkpoints/last.ckpt"),
-        *Path(runs_root).glob("*/checkpoints/last.ckpt.old"),
-    ]
-    if not candidates:
-        raise ConfigError(f"ckpt_path=last but no run under {runs_root} has a checkpoints/last.ckpt")
-    newest = max(candidates, key=lambda p: p.stat().st_mtime)
-    if owner := live_owner(newest.parent.parent):  # still writing it: its next save would race this run's
+    return newest_intact(output_dir, "ckpt_path=last", f"this run's directory {output_dir}")
+
+
+def checkpoint_of(ckpt_path: str) -> str:
+    """An explicit `ckpt_path`: a run directory's newest intact checkpoint, or a checkpoint that passes its
+    checksums (refused in one line otherwise); absolute."""
+    if (line := missing_ckpt_path(ckpt_path)) is not None:
+        raise ConfigError(line)
+    path = Path(ckpt_path).resolve()
+    if not is_run_dir(path):
+        verify(path)
+        return str(path)
+    if owner := live_owner(path):  # still writing: its next save would race this run's
         raise ConfigError(
-            f"ckpt_path=last is {newest}, whose run is still alive (pid {owner['pid']} on {owner['host']}); "
+            f"ckpt_path={ckpt_path} is a run that is still alive (pid {owner['pid']} on {owner['host']}); "
             "wait for it to end (or stop it: it saves last.ckpt on SIGTERM), then resume"
         )
-    return str(newest)
+    return newest_intact(path, f"ckpt_path={ckpt_path}", f"the run directory {path}")
+
+
+def is_run_dir(path: Path) -> bool:
+    """A folder with `checkpoints/` that is not itself a checkpoint folder (DeepSpeed's `latest`, DCP's `.metadata`)."""
+    return (path / "checkpoints").is_dir() and not any((path / f).exists() for f in ("latest", ".metadata"))
+
+
+def newest_intact(run_dir: str | os.PathLike, key: str, where: str) -> str:
+    """The first of `run_checkpoints` that passes its checksums, saying in one line which it skipped and why."""
+    skipped = []
+    for candidate in run_checkpoints(run_dir):
+        if (why := problem(candidate)) is None:
+            if skipped:
+                note_once(f"{key}: resuming {candidate}; skipped: {'; '.join(skipped)}")
+            return str(candidate)
+        skipped.append(why)
+    if skipped:
+        raise ConfigError(f"{key}: no checkpoint of {where} is intact: {'; '.join(skipped)}")
+    raise ConfigError(
+        f"{key}: {where} has no checkpoint (looked for {Path(run_dir) / 'checkpoints' / '*.ckpt'}); resume "
+        "another run with ckpt_path=<its run dir or a checkpoint> (or hydra.run.dir=<its run dir> "
+        "ckpt_path=last), or drop ckpt_path to start afresh"
+    )
 
 
 def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dict:
@@ -155,6 +177,7 @@ def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dic
     the run's own check to word."""
     from parallama.models import DEFAULT_FAMILY, model_spec
 
+    ckpt_path = checkpoint_of(ckpt_path)  # a run directory: its newest intact checkpoint
     state = client_state(ckpt_path)
     saved = (state.get("hyper_parameters") or {}).get("model")
     if not isinstance(saved, dict):

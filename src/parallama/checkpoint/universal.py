@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from parallama.checkpoint.formats import INFO_KEY, client_state, deepspeed_tag, detect
+from parallama.checkpoint.integrity import checksum_folder, verify
 from parallama.checkpoint.untrusted import (
     deepspeed_types,
     load_weights_only,
@@ -54,7 +55,9 @@ def read(path: str | os.PathLike, *, optimizer: bool = True) -> UniversalState:
     """Any checkpoint as a UniversalState, the one reader of resumes and tools. `optimizer=False` (export, eval,
     generate): the weights only, read without the optimizer's tensors (a third of the memory)."""
     path = str(path)
-    return READERS[detect(path)](path, optimizer)
+    fmt = detect(path)
+    verify(path)  # before a byte of it is used
+    return READERS[fmt](path, optimizer)
 
 
 def _read_file(path: str, optimizer: bool) -> UniversalState:
@@ -199,7 +202,8 @@ def names_in_group_order(optimizer, module: torch.nn.Module) -> list[str]:
 
 
 def write(state: UniversalState, out: str | os.PathLike, fmt: str) -> None:
-    """As a Lightning file (any strategy resumes it, ddp/ddp_sharded/auto natively) or a DCP folder."""
+    """As a Lightning file (any strategy resumes it, ddp/ddp_sharded/auto natively) or a DCP folder, with their
+    checksums."""
     out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} exists; give a new path")
@@ -218,7 +222,9 @@ def write(state: UniversalState, out: str | os.PathLike, fmt: str) -> None:
                     ],
                 }
             ]
-        torch.save(ckpt, out)
+        from parallama.checkpoint.atomic import save_file
+
+        save_file(ckpt, out)  # with its checksum, as a run writes it
     elif fmt == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -229,5 +235,6 @@ def write(state: UniversalState, out: str | os.PathLike, fmt: str) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(tensors, checkpoint_id=str(out), no_dist=True)
         torch.save({**state.client, INFO_KEY: info}, out / "meta.pt")
+        checksum_folder(out)
     else:
         raise ConfigError(f"format={fmt} is not one of file, dcp")

@@ -162,10 +162,18 @@ def verify_dcp(path: str | os.PathLike):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     metadata = read_dcp_metadata(path)
+    storage = metadata.storage_data or {}
+    for file in sorted({Path(path, info.relative_path) for info in storage.values()}):
+        if (
+            not file.is_file()
+        ):  # found: a missing shard reached the user as a raw "[Errno 2] ... __1_0.distcp"
+            raise ConfigError(
+                f"checkpoint {file} is missing (its .metadata names it): the checkpoint is incomplete"
+            )
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, BytesStorageMetadata):
             continue  # tensors: torch reads them weights-only itself
-        info = (metadata.storage_data or {}).get(MetadataIndex(key))
+        info = storage.get(MetadataIndex(key))
         if info is None or info.transform_descriptors:
             raise ConfigError(f"checkpoint {path}/.metadata has no plain storage entry for {key}")
         file = Path(path, info.relative_path)
@@ -182,10 +190,13 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     """Before resuming with ckpt_path=<file or folder>: Lightning and DeepSpeed unpickle with full pickle,
     so check first that every pickle in it loads weights-only with the allow-list (else a one-line error)."""
     from parallama.checkpoint.formats import detect
+    from parallama.checkpoint.integrity import verify
 
-    verify = {
+    fmt = detect(path)
+    verify(path)  # its checksums first: a corrupt byte is named as such, not as whatever it breaks
+    check = {
         "file": lambda p: load_weights_only(p, mmap=True),
         "deepspeed": verify_deepspeed,
         "dcp": verify_dcp,
     }
-    verify[detect(path)](str(path))
+    check[fmt](str(path))

@@ -17,10 +17,11 @@ from parallama.cli import app
 
 
 def export(cfg: DictConfig) -> None:
+    from parallama.checkpoint.integrity import checksum_folder
     from parallama.checkpoint.read import load_checkpoint, load_state_into
     from parallama.models.hf_logits import check_logits
 
-    ckpt = load_checkpoint(cfg.ckpt_path)
+    ckpt = load_checkpoint(cfg.ckpt_path)  # checked against its checksums first
     out = Path(cfg.out_dir).absolute()
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a killed export's
@@ -29,6 +30,7 @@ def export(cfg: DictConfig) -> None:
         model = ckpt.spec.model(ckpt.config)
         load_state_into(model, ckpt.state_dict, source=f"checkpoint {cfg.ckpt_path}")
         verified = check_logits(model, partial, ckpt.spec.family, "export")
+        checksum_folder(partial)  # checksums.json: parallama-eval/-generate model_dir= check it
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -26,8 +26,31 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 
 def last_checkpoint_note(output_dir: str) -> str:
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    return f"last checkpoint: {last}" if last.exists() else "no checkpoint was written yet"
+    """What a stopped run says about resuming it: its checkpoint and the overrides that resume it, or that there
+    is nothing to resume (never advice that cannot work)."""
+    found = run_checkpoints(output_dir)
+    if not found:
+        return "no checkpoint was written yet: nothing to resume, start afresh without ckpt_path"
+    return f"last checkpoint: {found[0]}; resume with {resume_overrides(found[0])}"
+
+
+def resume_overrides(checkpoint: str | os.PathLike) -> str:
+    """The overrides that resume `checkpoint`: in its run directory when it sits in <run>/checkpoints (the run
+    continues there, `ckpt_path=last`), else by its path."""
+    path = Path(checkpoint)
+    if path.parent.name == "checkpoints":
+        return f"hydra.run.dir={path.parent.parent} ckpt_path=last"
+    return f"ckpt_path={path}"
+
+
+def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """A run's checkpoints in the order `ckpt_path=last` tries them: last.ckpt (the resume point), last.ckpt.old
+    (a folder checkpoint is `.old` for an instant while its successor is swapped in), then the others (the best
+    by val/loss), newest first."""
+    folder = Path(run_dir) / "checkpoints"
+    last = [folder / name for name in ("last.ckpt", "last.ckpt.old") if (folder / name).exists()]
+    others = [p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"]
+    return last + sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def check_multi_node(num_nodes: int) -> None:
@@ -78,10 +101,7 @@ class _RankWatch(threading.Thread):
         return None
 
     def line(self, who: str) -> str:
-        return (
-            f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}; "
-            "resume with ckpt_path=last"
-        )
+        return f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}"
 
     def run(self) -> None:
         from lightning.pytorch.trainer.states import TrainerStatus

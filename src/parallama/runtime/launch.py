@@ -167,22 +167,23 @@ class JobIsolation(Callback):
                 os.environ[key] = value
 
 
-def requeue_slurm_job() -> str:
+def requeue_slurm_job() -> tuple[bool, str]:
     """Put this SLURM job back in the queue (`scontrol requeue`): SLURM ends it and runs the same script again,
-    under the same job id and with SLURM_RESTART_COUNT raised, which resumes last.ckpt (checkpoint.resume). Says
-    what happened, in words for the run's last line; a failure (no scontrol in the job's container, a job that
-    was not submitted with --requeue allowed) is said, not raised: the checkpoint is saved either way."""
+    under the same job id and with SLURM_RESTART_COUNT raised, which resumes last.ckpt (checkpoint.resume).
+    Returns whether it was requeued and what happened, in words for the run's last line; a failure (no scontrol
+    in the job's container, a job that was not submitted with --requeue allowed) is said, not raised: the
+    checkpoint is saved either way, and the line then says how to resume it."""
     job = os.environ["SLURM_JOB_ID"]
     if os.environ.get("SLURM_ARRAY_JOB_ID"):
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     try:
         proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return f"could not requeue SLURM job {job} ({err}): resubmit it with ckpt_path=last"
+        return False, f"could not requeue SLURM job {job} ({err}): resubmit it"
     if proc.returncode != 0:
         why = proc.stderr.strip().splitlines()[-1:] or [f"status {proc.returncode}"]
-        return f"could not requeue SLURM job {job} (scontrol: {why[0]}): resubmit it with ckpt_path=last"
-    return f"requeued SLURM job {job}: it resumes from there"
+        return False, f"could not requeue SLURM job {job} (scontrol: {why[0]}): resubmit it"
+    return True, f"requeued SLURM job {job}: it resumes from there"
 
 
 def slurm_job_requeued() -> bool:

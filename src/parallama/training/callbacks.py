@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSu
 from lightning.pytorch.trainer.states import TrainerFn
 
 from parallama.errors import Preempted
+from parallama.runtime.faults import resume_overrides
 from parallama.runtime.launch import requeue_slurm_job
 from parallama.training import syncs
 from parallama.training.module import ends_the_run
@@ -210,10 +211,13 @@ class PreemptionCheckpoint(Callback):
                     raise Preempted(f"{message}; rank 0 requeues the job")
                 # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
                 # last line, in tests/slurm/test_srun.py)
-                stopped = Preempted(f"{message}; {requeue_slurm_job()}", said=True)
+                requeued, words = requeue_slurm_job()  # if not, the line says how to resume it
+                stopped = Preempted(
+                    f"{message}; {words}", None if requeued else resume_overrides(self.path), said=True
+                )
                 log.warning(stopped.line)
                 raise stopped
-            raise Preempted(message)
+            raise Preempted(message, resume_overrides(self.path))
 
     def _agree_now(self, trainer) -> bool:
         n = self.every_n_steps or (max(trainer.log_every_n_steps, 1) if syncs.device_waits(trainer) else 1)

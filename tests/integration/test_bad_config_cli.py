@@ -68,8 +68,18 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
             ["+trainer.max_stepz=100"],
             "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
         ),
+        # found printing the whole config first and leaving an empty run directory
+        (["ckpt_path=last"], "ckpt_path=last but no run under logs/train/runs has a checkpoints/last.ckpt"),
+        (
+            ["tokenizer=pretrained", "tokenizer.name_or_path=/nonexistent/tokenizer"],
+            "tokenizer.name_or_path: no tokenizer file at '/nonexistent/tokenizer'",
+        ),
+        (["model.vocab_size=100"], "the tokenizer has 260 tokens but model.vocab_size=100"),
     ],
-    ids=["ckpt_path", "glob", "mixture-glob", "init_from", "resume-other-size", "new-trainer-key"],
+    ids=[
+        *("ckpt_path", "glob", "mixture-glob", "init_from", "resume-other-size", "new-trainer-key"),
+        *("resume-no-run", "tokenizer-path", "vocab-below-tokenizer"),
+    ],
 )
 def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
     ckpt = tiny_run.dir / "checkpoints" / "last.ckpt"
@@ -87,4 +97,4 @@ def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
     assert proc.returncode == 2, out[-3000:]
     assert out.strip().splitlines() == [out.strip()] and out.startswith("error: "), out[-3000:]
     assert message.format(**fill) in out
-    assert not run.exists()  # nothing was built or written
+    assert not run.exists() and not (tmp_path / "logs").exists()  # nothing was built or written

@@ -90,6 +90,37 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=r"The `srun` command is available on your system but is not used"
     )
+    # parallama logs val/loss, val/ppl and step once computed over every rank (torchmetrics syncs the loss), so
+    # Lightning's advice to sync them again (`sync_dist=True`, once per key and multi-rank run) does not apply.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self\.log\('(val/loss|val/ppl|step)', \.\.\., sync_dist=True\)`",
+    )
+    # Lightning's INFO lines about its own set-up that ask nothing of the user: an advertisement for its cloud logger,
+    # and that the model summary callback parallama configures is configured.
+    lightning = "lightning.pytorch.utilities.rank_zero"
+    drop_log_records(lightning, "try installing [litlogger]")
+    drop_log_records(lightning, "Trainer already configured with model summary callbacks")
+    # torch's DTensor, once per rank under expert parallelism: the gradient norm's partial sums over the expert and
+    # data-parallel mesh dimensions are all-reduced one dimension after the other (a norm, not the step's data).
+    drop_log_records("torch.distributed.tensor._redistribute", "_NormPartial", "sequential all_reduce")
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(needle in message for needle in self.needles)
+
+
+def drop_log_records(logger: str, *needles: str) -> None:
+    """A third-party logger's records that contain every one of `needles` are not emitted."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _DropRecords) and f.needles == needles for f in target.filters):
+        target.addFilter(_DropRecords(needles))
 
 
 def compose(

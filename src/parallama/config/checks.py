@@ -105,6 +105,77 @@ def check_inputs(cfg: DictConfig) -> None:
         spec = model_spec(OmegaConf.to_container(cfg.model, resolve=True))
         if spec.hf_path is not None:
             spec.hf.load_hf_config(cfg.init_from, spec.config)
+    _check_tokenizer(cfg)
+    check_run_dir(cfg)
+
+
+# Where the run directory `check_run_dir` looked at was to be made (its nearest existing folder; None: it existed):
+# a start that then fails for bad input removes what it made (cli/train.py), so a refused start leaves nothing
+# behind wherever it is found out.
+run_dir_made_in: Path | None = None
+
+
+def check_run_dir(cfg: DictConfig) -> None:
+    """The refusals a run meets in its own directory, made before Hydra creates it or writes `.hydra/` and its log
+    there (found: a refused second run rewrote the live run's .hydra/config.yaml and appended to its train.log; a
+    `ckpt_path=last` with no run to resume left an empty run directory): a live run owns it, a finished run's
+    last.ckpt is there without `ckpt_path`, `ckpt_path=last` finds nothing. Where Hydra runs one job in a known
+    directory (a sweep's jobs check their own as they start), in a job's first process (its other ranks follow it,
+    and a multi-node run's owner is on another host). The run checks again as it claims the directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from parallama.checkpoint.resume import (
+        check_fresh_run,
+        first_process,
+        refuse_live_owner,
+        resolve_ckpt_path,
+    )
+
+    global run_dir_made_in
+    run_dir_made_in = None
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or not first_process():
+        return
+    output_dir = cfg.paths.output_dir
+    if not os.path.exists(output_dir):
+        run_dir_made_in = next(p for p in Path(output_dir).parents if p.exists())
+    refuse_live_owner(output_dir)
+    job = OmegaConf.masked_copy(cfg, ["paths", "ckpt_path"])  # check_fresh_run may set ckpt_path (a requeue)
+    check_fresh_run(job)
+    if job.ckpt_path == "last":
+        resolve_ckpt_path("last", output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name / "runs"))
+
+
+def check_vocab_fits(tokens: int, vocab_size: int | None) -> None:
+    """The model's embedding holds every id the tokenizer gives (`model.vocab_size` null: it follows the tokenizer)."""
+    if vocab_size is not None and tokens > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokens} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size>={tokens} (or null to follow the tokenizer)"
+        )
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """A tokenizer that needs no training and no download (byte-level, a tokenizer.json on disk) is loaded here,
+    so a missing file or a model.vocab_size below it is one line before the run starts; a trained BPE or a Hub
+    tokenizer is checked by the run when it has it."""
+    from parallama.data import tokenizer as tokenizers
+
+    node = OmegaConf.select(cfg, "tokenizer")
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if target == f"{tokenizers.__name__}.byte_level":
+        tokens = tokenizers.byte_level().get_vocab_size()
+    elif target == f"{tokenizers.__name__}.from_pretrained":
+        try:
+            path = tokenizers.local_tokenizer_file(node.name_or_path)
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
+        if path is None:  # a Hub id: the run downloads it
+            return
+        tokens = tokenizers.from_pretrained(path).get_vocab_size()
+    else:
+        return
+    check_vocab_fits(tokens, OmegaConf.select(cfg, "model.vocab_size"))
 
 
 def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:

@@ -98,3 +98,23 @@ def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
     assert out.strip().splitlines() == [out.strip()] and out.startswith("error: "), out[-3000:]
     assert message.format(**fill) in out
     assert not run.exists() and not (tmp_path / "logs").exists()  # nothing was built or written
+
+
+def test_a_changed_search_on_an_existing_study_is_one_line(tmp_path):
+    """Found: a 16-line traceback ending in `ConfigError: study 'lr' ...` and exit status 1 (Hydra prints the
+    exceptions of a sweeper): a sweeper's refusal is one line and exit status 2, before any trial runs."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="lr", storage=storage)
+    study.set_user_attr("settings", ["trainer.max_steps=10"])
+    study.ask({"optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    args = ["hparams_search=lr_optuna", "trainer.accelerator=cpu", "trainer.max_steps=30"]
+    args += [f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=lr"]
+    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, check=False)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, out[-3000:]
+    assert out.splitlines() == [out] and out.startswith(
+        f"error: study 'lr' in {storage}: its trials ran with"
+    ), out
+    assert "this command has" in out and "hydra.sweeper.other_settings=true" in out

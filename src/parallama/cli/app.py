@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from parallama import CONF_DIR
 from parallama.config.compose import compose_tool, preflight
-from parallama.errors import EXIT_BAD_INPUT, ConfigError, exit_status
+from parallama.errors import exit_status
 
 log = logging.getLogger("parallama")
 
@@ -54,9 +54,12 @@ def run(
     try:
         args = rewrite(args) if rewrite is not None else args
         preflight(CONF_DIR, config_name, args, check or (lambda cfg, hardware: None), list_keys)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+    except Exception as err:  # a file a check reads, a part it builds: what the user can act on is one line
+        status, line = exit_status(err)
+        if status is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(status)
     if setup is not None:
         setup()
     import hydra

@@ -212,16 +212,20 @@ def hand_to_sweep(status: int) -> bool:
 
 
 class SweepJobEnded(CompactHydraException):
-    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line, handed to the sweep's process,
-    where Hydra prints a CompactHydraException as it is (exit status 1)."""
+    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line (`what`, its exit `status`),
+    handed to the sweep's process: its sweeper says it with the other jobs (sweeps/jobs.py), and Hydra's own
+    sweepers print a CompactHydraException as it is (exit status 1)."""
 
     @classmethod
     def of(cls, what: str, status: int) -> SweepJobEnded:
         if status == 0:
-            return cls(
+            ended = cls(
                 f"error: a job of the sweep was {what}; run the same command with ckpt_path=last to resume its jobs"
             )
-        return cls(f"error: a job of the sweep failed: {what}")
+        else:
+            ended = cls(f"error: a job of the sweep failed: {what}")
+        ended.what, ended.status = what, status
+        return ended
 
 
 def _launched_externally() -> bool:

@@ -4,6 +4,7 @@ Lightning's console lines once. The job itself is training/run.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -153,6 +154,29 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
         )
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
+    if not trainer.fast_dev_run:
+        write_final_metrics(output_dir, trainer)
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))
+
+
+FINAL_METRICS = (
+    "final_metrics.json"  # in the run directory: what a sweep's table shows of its jobs (sweeps/jobs.py)
+)
+
+
+def write_final_metrics(output_dir: str, trainer) -> None:
+    """The run's last values of every metric, and the step they were reached at: a sweep's table reads them, and a
+    sweep run again with `ckpt_path=last` tells a job that had finished from one that had not."""
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    text = json.dumps({**metrics, "step": trainer.global_step}, indent=1)
+    (Path(output_dir) / FINAL_METRICS).write_text(text + "\n")
+
+
+def final_metrics(run_dir: str | Path) -> dict | None:
+    """What `write_final_metrics` wrote in `run_dir` (None: the run has not finished)."""
+    try:
+        return json.loads((Path(run_dir) / FINAL_METRICS).read_text())
+    except (FileNotFoundError, ValueError):
+        return None

@@ -29,7 +29,7 @@ def train_job(cfg: DictConfig) -> float | None:
 def _forget_refused_start(run_dir: Path) -> None:
     """Remove `run_dir`, and the folders made for it, if this start made it (the preflight found none) and it holds
     no checkpoint."""
-    from parallama.config.checks import run_dir_made_in
+    from parallama.config.run_dir import run_dir_made_in
 
     if run_dir_made_in is None or any(run_dir.glob("checkpoints/*")):
         return

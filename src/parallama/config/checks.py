@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from parallama.config.run_dir import check_run_dir
 from parallama.config.schema import check_schema
 from parallama.errors import ConfigError
 from parallama.parallel.dims import uses_gpu
@@ -106,44 +107,7 @@ def check_inputs(cfg: DictConfig) -> None:
         if spec.hf_path is not None:
             spec.hf.load_hf_config(cfg.init_from, spec.config)
     _check_tokenizer(cfg)
-    check_run_dir(cfg)
-
-
-# Where the run directory `check_run_dir` looked at was to be made (its nearest existing folder; None: it existed):
-# a start that then fails for bad input removes what it made (cli/train.py), so a refused start leaves nothing
-# behind wherever it is found out.
-run_dir_made_in: Path | None = None
-
-
-def check_run_dir(cfg: DictConfig) -> None:
-    """The refusals a run meets in its own directory, made before Hydra creates it or writes `.hydra/` and its log
-    there (found: a refused second run rewrote the live run's .hydra/config.yaml and appended to its train.log; a
-    `ckpt_path=last` with no run to resume left an empty run directory): a live run owns it, a finished run's
-    last.ckpt is there without `ckpt_path`, `ckpt_path=last` finds nothing. Where Hydra runs one job in a known
-    directory (a sweep's jobs check their own as they start), in a job's first process (its other ranks follow it,
-    and a multi-node run's owner is on another host). The run checks again as it claims the directory."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from parallama.checkpoint.resume import (
-        check_fresh_run,
-        first_process,
-        refuse_live_owner,
-        resolve_ckpt_path,
-    )
-
-    global run_dir_made_in
-    run_dir_made_in = None
-    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN or not first_process():
-        return
-    output_dir = cfg.paths.output_dir
-    if not os.path.exists(output_dir):
-        run_dir_made_in = next(p for p in Path(output_dir).parents if p.exists())
-    refuse_live_owner(output_dir)
-    job = OmegaConf.masked_copy(cfg, ["paths", "ckpt_path"])  # check_fresh_run may set ckpt_path (a requeue)
-    check_fresh_run(job)
-    if job.ckpt_path == "last":
-        resolve_ckpt_path("last", output_dir, str(Path(cfg.paths.log_dir) / cfg.task_name / "runs"))
+    check_run_dir(cfg)  # last: the checks above refuse what they refuse whatever the directory holds
 
 
 def check_vocab_fits(tokens: int, vocab_size: int | None) -> None:

@@ -205,6 +205,17 @@ def weights(ckpt) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
 
+def tree_digest(folder: Path) -> dict[str, tuple[str, float]]:
+    """Every file under `folder`: its content's digest and its mtime (a refused run must touch nothing)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
 @pytest.fixture(scope="session")
 def slurm():
     """A one-node SLURM cluster on this machine (tests/slurm/cluster.py), one per test run and shared by its

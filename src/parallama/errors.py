@@ -40,7 +40,7 @@ def exit_status(err: BaseException) -> tuple[int | None, str]:
     import hydra
 
     if isinstance(err, (ConfigError, FileNotFoundError)):
-        return EXIT_BAD_INPUT, f"error: {err}"
+        return EXIT_BAD_INPUT, f"error: {one_line(str(err))}"
     if _is_lightning_misconfiguration(err):  # Lightning's own one-line complaints about Trainer settings
         return EXIT_BAD_INPUT, f"error: {' '.join(str(err).split())}"
     if isinstance(err, hydra.errors.InstantiationException):
@@ -52,6 +52,11 @@ def exit_status(err: BaseException) -> tuple[int | None, str]:
     if isinstance(err, RankDied):
         return EXIT_RANK_DIED, str(err)
     return None, ""
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: a message built from another error's may hold its newlines."""
+    return " ".join(text.split()) if "\n" in text else text
 
 
 def _is_lightning_misconfiguration(err: BaseException) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from parallama.errors import ConfigError
+
+log = logging.getLogger("parallama")
 
 BOT = "[BOT]"  # begin of text: first token of every document
 EOT = "[EOT]"  # end of text: last token of every document
@@ -90,6 +93,12 @@ def train_bpe(
         show_progress=False,
     )
     tok.train_from_iterator((c for text in texts for c in chunks(text, CHUNK_CHARS)), trainer=trainer)
+    if (learned := tok.get_vocab_size()) < vocab_size:
+        log.warning(
+            f"tokenizer: BPE learned {learned} tokens, not the tokenizer.vocab_size={vocab_size} asked: its text "
+            f"has no more pairs seen tokenizer.min_frequency={min_frequency} times (a small corpus); more text "
+            "(more data, a higher tokenizer.train_documents) or a lower min_frequency learns more"
+        )
     return tok
 
 
@@ -127,18 +136,24 @@ def from_pretrained(name_or_path: str) -> Tokenizer:
     Roles the tokenizer has no token for (see `_ALIASES`) get our BOT/EOT/PAD added as
     new special tokens, which grows the vocabulary by at most 3.
     """
+    path = local_tokenizer_file(name_or_path)
+    tok = Tokenizer.from_file(path) if path is not None else Tokenizer.from_pretrained(name_or_path)
+    missing = [_OURS[role] for role in _ALIASES if _find(tok, role) is None]
+    tok.add_special_tokens(missing)
+    return tok
+
+
+def local_tokenizer_file(name_or_path: str) -> str | None:
+    """The tokenizer.json that `name_or_path` names on disk; None for a Hub repo id; FileNotFoundError for a path
+    that holds none (checked before the run starts: app/checks.py)."""
     path = os.path.expanduser(name_or_path)
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if os.path.isfile(path):
-        tok = Tokenizer.from_file(path)
-    elif os.path.exists(path) or path.endswith(".json") or not _HUB_ID.fullmatch(name_or_path):
+        return path
+    if os.path.exists(path) or path.endswith(".json") or not _HUB_ID.fullmatch(name_or_path):
         raise FileNotFoundError(f"tokenizer.name_or_path: no tokenizer file at {path!r}")
-    else:
-        tok = Tokenizer.from_pretrained(name_or_path)
-    missing = [_OURS[role] for role in _ALIASES if _find(tok, role) is None]
-    tok.add_special_tokens(missing)
-    return tok
+    return None
 
 
 def _find(tok: Tokenizer, role: str) -> int | None:

@@ -8,6 +8,7 @@ the full strategy x signal matrix is marked `slow` (`pytest -m slow tests/distri
 from __future__ import annotations
 
 import contextlib
+import csv
 import ctypes
 import os
 import shutil
@@ -19,7 +20,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import LONG, TINY, train, weights
+from conftest import LONG, TINY, train, tree_digest, weights
 
 from parallama.checkpoint.integrity import has_checksums
 from parallama.checkpoint.read import load_checkpoint
@@ -153,19 +154,28 @@ def rank1_log(run) -> str:
     return (run / "train_ddp_process_1.log").read_text()
 
 
+def train_loss_steps(run) -> list[int]:
+    with open(run / "csv" / "metrics.csv") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+
+
 def test_fresh_run_into_an_old_run_dir_is_refused_and_a_fresh_run_warns_nothing(
     tiny_run, tmp_path, data_cache
 ):
+    """The finished run's own command run again: refused in one line, its directory untouched (found: its
+    .hydra/config.yaml and overrides.yaml rewritten, the refusal appended to its train.log)."""
     out = tiny_run.output  # conftest's fresh run
     assert 'ckpt_path="last")` is set' not in out and "was called without a model" not in out
     run = tmp_path / "run"
     shutil.copytree(tiny_run.dir, run)
+    before = tree_digest(run)
     again = train(cwd=tmp_path, cache=data_cache, run_dir=run, check=False)
     assert again.returncode == 2
     last = run / "checkpoints" / "last.ckpt"
     expected = f"error: {last} exists: resume it with ckpt_path=last, or pick a new hydra.run.dir"
     lines = (again.stdout + again.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(expected), lines
+    assert tree_digest(run) == before
 
 
 @pytest.mark.parametrize("srun", [False, True], ids=["no-srun", "srun-installed"])
@@ -194,7 +204,8 @@ def test_ctrl_c_saves_and_exits_0(tmp_path, data_cache):
     wait_for_last(proc, run)
     proc.send_signal(signal.SIGINT)
     code, _, _ = wait_all(proc, None)
-    assert_stopped_cleanly(code, proc.stdout.read(), run, "SIGINT")
+    stopped_at = assert_stopped_cleanly(code, proc.stdout.read(), run, "SIGINT")
+    assert train_loss_steps(run) == list(range(1, stopped_at + 1))  # the stop step's row too
 
 
 def test_ddp_sigterm_to_the_group_stops_every_rank_and_resumes_bitwise(tmp_path, data_cache):
@@ -206,6 +217,7 @@ def test_ddp_sigterm_to_the_group_stops_every_rank_and_resumes_bitwise(tmp_path,
     stopped_at = assert_stopped_cleanly(code, out, run, "SIGTERM")
     assert child_code == 0 and f"stopped by SIGTERM at step {stopped_at}" in rank1_log(run)
     assert 3 <= stopped_at < 40, out[-3000:]
+    assert train_loss_steps(run) == list(range(1, stopped_at + 1))  # found: the stop step's row was lost
 
     train(*LONG, *ddp, "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)
     final, expected = (

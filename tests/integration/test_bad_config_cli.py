@@ -68,13 +68,23 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, args, message):
             ["+trainer.max_stepz=100"],
             "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)",
         ),
+        # found printing the whole config first and leaving an empty run directory
+        (["ckpt_path=last"], "ckpt_path=last: this run's directory {run} has no checkpoint (looked for "),
+        (
+            ["tokenizer=pretrained", "tokenizer.name_or_path=/nonexistent/tokenizer"],
+            "tokenizer.name_or_path: no tokenizer file at '/nonexistent/tokenizer'",
+        ),
+        (["model.vocab_size=100"], "the tokenizer has 260 tokens but model.vocab_size=100"),
     ],
-    ids=["ckpt_path", "glob", "mixture-glob", "init_from", "resume-other-size", "new-trainer-key"],
+    ids=[
+        *("ckpt_path", "glob", "mixture-glob", "init_from", "resume-other-size", "new-trainer-key"),
+        *("resume-no-run", "tokenizer-path", "vocab-below-tokenizer"),
+    ],
 )
 def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
     ckpt = tiny_run.dir / "checkpoints" / "last.ckpt"
-    fill = {"tmp": tmp_path, "ckpt": ckpt}
     run = tmp_path / "run"
+    fill = {"tmp": tmp_path, "ckpt": ckpt, "run": run}
     proc = run_cli(
         "parallama.cli.train",
         "trainer.accelerator=cpu",
@@ -87,4 +97,24 @@ def test_inputs_are_checked_before_any_work(tmp_path, tiny_run, args, message):
     assert proc.returncode == 2, out[-3000:]
     assert out.strip().splitlines() == [out.strip()] and out.startswith("error: "), out[-3000:]
     assert message.format(**fill) in out
-    assert not run.exists()  # nothing was built or written
+    assert not run.exists() and not (tmp_path / "logs").exists()  # nothing was built or written
+
+
+def test_a_changed_search_on_an_existing_study_is_one_line(tmp_path):
+    """Found: a 16-line traceback ending in `ConfigError: study 'lr' ...` and exit status 1 (Hydra prints the
+    exceptions of a sweeper): a sweeper's refusal is one line and exit status 2, before any trial runs."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="lr", storage=storage)
+    study.set_user_attr("settings", ["trainer.max_steps=10"])
+    study.ask({"optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    args = ["hparams_search=lr_optuna", "trainer.accelerator=cpu", "trainer.max_steps=30"]
+    args += [f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=lr"]
+    proc = run_cli("parallama.cli.train", *args, cwd=tmp_path, check=False)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, out[-3000:]
+    assert out.splitlines() == [out] and out.startswith(
+        f"error: study 'lr' in {storage}: its trials ran with"
+    ), out
+    assert "this command has" in out and "hydra.sweeper.other_settings=true" in out

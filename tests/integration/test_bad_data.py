@@ -1,6 +1,6 @@
 """Bad data stops before any training with one line naming the file (and record and key).
 
-The table holds 33 distinct bad files or inputs for the `files` source; then a Hub record, the data
+The table holds 35 distinct bad files or inputs for the `files` source; then a Hub record, the data
 module's own checks (no documents, a train split smaller than one step, nothing cached on failure) and
 one CLI run: a bad record prints exactly one `error:` line and exits with status 2, no traceback.
 """
@@ -44,8 +44,9 @@ CASES = [
     ("blank-lines-jsonl", {"blank.jsonl": "\n\n  \n"}, None, "text", ["has no records"]),
     ("empty-json-array", {"none.json": "[]"}, None, "text", ["has no records"]),
     ("zero-row-parquet", {"rows.parquet": parquet(text=pa.array([], pa.string()))}, None, "text", ["cannot read"]),
-    ("binary-jsonl", {"junk.jsonl": GARBAGE}, None, "text", ["cannot read"]),
-    ("broken-line-jsonl", {"broken.jsonl": '{"text": "a"}\n{"text": "b"\n'}, None, "text", ["cannot read"]),
+    ("binary-jsonl", {"junk.jsonl": GARBAGE}, None, "text", ["record 1 (line 1) is not valid JSON"]),
+    ("broken-line-jsonl", {"broken.jsonl": '{"text": "a"}\n{"text": "b"\n'}, None, "text",
+     ["record 2 (line 2) is not valid JSON"]),
     ("null-text", {"n.jsonl": jsonl({"text": "a"}, {"text": None})}, None, "text", ["record 2", "null"]),
     ("int-text", {"i.jsonl": jsonl({"text": "a"}, {"text": "b"}, {"text": 5})}, None, "text", ["record 3", "int"]),
     ("list-text", {"l.jsonl": jsonl({"text": ["a"]})}, None, "text", ["record 1", "list"]),
@@ -53,9 +54,12 @@ CASES = [
     ("key-missing-in-a-record", {"m.jsonl": jsonl({"text": "a"}, {"body": "b"})}, None, "text", ["record 2"]),
     ("text-key-not-a-column", {"c.jsonl": jsonl({"body": "a"})}, None, "text", ["columns", "body"]),
     ("other-text-key", {"t.jsonl": jsonl({"text": "a"})}, None, "content", ["'content'", "columns"]),
-    ("records-not-objects", {"s.jsonl": '"just a string"\n"b"\n'}, None, "text", ["cannot read"]),
+    ("records-not-objects", {"s.jsonl": '"just a string"\n"b"\n'}, None, "text",
+     ["record 1 (line 1) is a JSON str, not an object"]),
     ("json-array-null", {"arr.json": '[{"text": "a"}, {"text": null}]'}, None, "text", ["record 2"]),
-    ("json-garbage", {"bad.json": "not json at all"}, None, "text", ["cannot read"]),
+    ("json-garbage", {"bad.json": "not json at all"}, None, "text", ["record 1 (line 1) is not valid JSON"]),
+    ("json-array-broken", {"arr.json": '[{"text": "a"},\n {"text": "b"\n]'}, None, "text",
+     ["is not valid JSON: Expecting ',' delimiter at line 3 column 1"]),
     ("parquet-without-column", {"p.parquet": parquet(body=["a"])}, None, "text", ["columns", "body"]),
     ("parquet-int-column", {"p.parquet": parquet(text=[1, 2])}, None, "text", ["record 1", "int"]),
     ("parquet-null", {"p.parquet": parquet(text=["a", None])}, None, "text", ["record 2", "null"]),
@@ -64,6 +68,9 @@ CASES = [
     ("md-binary", {"junk.md": GARBAGE}, None, "text", ["not valid UTF-8"]),
     ("second-file-bad", {"a.jsonl": jsonl({"text": "a"}), "b.jsonl": jsonl({"text": None})}, "*.jsonl", "text",
      ["b.jsonl", "record 1"]),
+    # found: Arrow's `row 100` (from 0) and "Invalid encoding in string" for an unterminated string on line 101
+    ("broken-line-101", {"long.jsonl": jsonl(*[{"text": "a"}] * 100) + '{"text": "b\n'}, None, "text",
+     ["record 101 (line 101) is not valid JSON: Unterminated string starting at column 10"]),
 ]  # fmt: skip
 
 
@@ -79,7 +86,7 @@ def _write(root, name, content) -> None:
 
 
 def test_the_table_is_what_the_docstring_says():
-    assert len(CASES) == len({case[0] for case in CASES}) == 33
+    assert len(CASES) == len({case[0] for case in CASES}) == 35
 
 
 @pytest.mark.parametrize(
@@ -96,7 +103,8 @@ def test_bad_file_is_one_line_naming_it(tmp_path, name, contents, paths, text_ke
     assert "\n" not in msg and len(msg) < 400, msg
     for needle in ["data.source.", named.split("/")[0], *needles]:
         assert needle in msg, (needle, msg)
-    if any(n.startswith("record ") or n == "columns" for n in needles):  # a field's fault: name the key
+    field = not any("JSON" in n for n in needles)  # not the file's JSON syntax
+    if field and any(n.startswith("record ") or n == "columns" for n in needles):  # a field's fault: the key
         assert f"text_key={text_key!r}" in msg, msg
 
 
@@ -165,3 +173,18 @@ def test_cli_bad_record_is_one_error_line(tmp_path, data_cache):
         f"error: data.source.text_key='text' in {tmp_path / 'bad.jsonl'} record 2 is missing or null"
     ), out[-3000:]
     assert "Traceback" not in out
+
+
+def test_a_validation_split_that_comes_out_empty_is_one_line(tmp_path):
+    """Found: one 50 MB document trained with `final metrics: {}` and Lightning's generic warning: documents are
+    held out whole, so one document leaves no validation split."""
+    (tmp_path / "one.txt").write_text("x" * 200)
+    dm = _dm(tmp_path, tmp_path / "one.txt", val_fraction=0.05)
+    with pytest.raises(ConfigError) as e:
+        dm.setup("fit")
+    assert str(e.value) == (
+        "data: the validation split is empty (0 of 1 documents held out, 0 tokens, fewer than a sample of "
+        "data.seq_len=8; documents are held out whole, data.val_fraction=0.05 of them): use more documents (split "
+        "a long one into several), raise data.val_fraction, or train without validation with data.val_fraction=0"
+    )
+    _dm(tmp_path, tmp_path / "one.txt", val_fraction=0.0).setup("fit")  # no validation asked: it trains

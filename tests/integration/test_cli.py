@@ -60,6 +60,8 @@ def test_train_writes_checkpoints_logs_config_and_a_sample(tiny_run):
     ],
 )
 def test_bad_input_fails_with_one_line(tmp_path, data_cache, args, message):
+    """Also where it is found once the run is under way (a trained tokenizer's size): the run directory it made
+    is gone again."""
     proc = train(*args, cwd=tmp_path, cache=data_cache, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
@@ -67,6 +69,7 @@ def test_bad_input_fails_with_one_line(tmp_path, data_cache, args, message):
     assert "Traceback" not in out
     error_lines = [line for line in out.splitlines() if "error:" in line]
     assert len(error_lines) == 1
+    assert not (tmp_path / "logs").exists()
 
 
 def test_missing_checkpoint_is_reported(tmp_path, data_cache):
@@ -80,13 +83,41 @@ def test_help_lists_groups(tmp_path):
     assert "strategy: auto, ddp, ddp_sharded, ddp_spawn, deepspeed, fsdp" in proc.stdout
 
 
-def test_log_file_progress_and_a_full_width_config(tiny_run):
-    """stdout is a pipe here, as in a log file: progress comes as lines (conftest's run prints one every 2 steps),
-    and no config line is cut at 80 (its directory's path is longer)."""
-    assert len(f"output_dir: {tiny_run.dir}") > 80
+def test_log_file_progress_and_the_config_in_the_run_dir(tiny_run):
+    """stdout is a pipe here, as in a log file: progress comes as lines (conftest's run prints one every 2 steps);
+    the console names the overrides and where the whole config is, and does not print it."""
     out = tiny_run.output
     assert "step 2/4 (50%)  train/loss" in out and "step 4/4 (100%)" in out
-    assert f"output_dir: {tiny_run.dir}" in out
+    (overrides,) = [line for line in out.splitlines() if "] - overrides: " in line]
+    assert " trainer.max_steps=4 " in overrides
+    assert overrides.endswith(
+        f"the whole config: {tiny_run.dir}/resolved_config.yaml (print_config=true prints it)"
+    )
+    assert f"output_dir: {tiny_run.dir}" in (tiny_run.dir / "resolved_config.yaml").read_text()
+    assert f"output_dir: {tiny_run.dir}" not in out
+
+
+def test_a_default_run_prints_at_most_40_lines(tmp_path, data_cache):
+    """`parallama-train trainer.max_steps=20` printed 187 lines, 154 of them the config: now the overrides and
+    the run's facts. A smaller model and data than the default's print the same lines (only numbers differ)."""
+    small = [
+        "data.batch_size=4",
+        "data.seq_len=64",
+        "data.source.max_documents=12",
+        "trainer.limit_val_batches=2",
+    ]
+    small += ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2"]
+    proc = run_cli(
+        "parallama.cli.train",
+        "trainer.max_steps=20",
+        "trainer.accelerator=cpu",
+        *small,
+        f"paths.cache_dir={data_cache}",
+        cwd=tmp_path,
+    )
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert len(lines) <= 40, "\n".join(lines)
+    assert any("] - run: llama of 2 layers x 64, vocabulary 320 (tokenizer 260)" in line for line in lines)
 
 
 def test_help_and_typos_answer_before_torch_loads(tmp_path):

@@ -5,10 +5,12 @@ interrupted sweep stopped."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +56,79 @@ def config_lr(job: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory, data_cache) -> Path:
+def grid_run(tmp_path_factory, data_cache) -> tuple[Path, str]:
     """Two one-process jobs on a pool of 2 CPU cores: both at once, each pinned to its own core."""
     cwd = tmp_path_factory.mktemp("grid")
     args = ["optimizer.lr=1e-3,2e-3", "logger=[csv,wandb]", "hydra.launcher.devices=[0,1]"]
-    run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=cwd)
-    return sweep_dir(cwd)
+    proc = run_cli("parallama.cli.train", "-m", *TINY, f"paths.cache_dir={data_cache}", *args, cwd=cwd)
+    return sweep_dir(cwd), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def grid(grid_run) -> Path:
+    return grid_run[0]
+
+
+def test_a_grid_ends_with_a_table_of_its_jobs_printed_and_in_a_csv(grid_run):
+    sweep, output = grid_run
+    with open(sweep / "sweep_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["state"], r["optimizer.lr"], r["run_dir"]) for r in rows] == [
+        ("0", "done", "0.001", str(sweep.absolute() / "0")),
+        ("1", "done", "0.002", str(sweep.absolute() / "1")),
+    ]
+    final = [json.loads((sweep / job / "final_metrics.json").read_text()) for job in ("0", "1")]
+    assert [float(r["val/loss"]) for r in rows] == [m["val/loss"] for m in final]
+    header = next(line for line in output.splitlines() if line.startswith("job  state"))
+    assert header.split() == ["job", "state", "optimizer.lr", "val/loss", "val/ppl", "train/loss", "run_dir"]
+    assert f"results: logs/train/multiruns/{sweep.name}/sweep_results.csv\n" in output
+    assert "Error executing job" not in output and "Traceback" not in output
+
+
+def test_a_killed_job_ends_the_sweep_in_a_line_per_job_and_the_sweep_resumes_as_a_whole(tmp_path, data_cache):
+    """Found: a job killed with kill -9 ended the sweep in Hydra's `Error executing job` and a 20-line
+    traceback (exit status 1), and the same sweep run again with ckpt_path=last reported the job that had finished
+    as FAILED ("nothing is left to train"). Job #1 is held at step 2 (step_gate) and killed there, before its
+    first checkpoint; job #0 passes the gate (its mark is there already) and finishes."""
+    sweep = tmp_path / "sweep"
+    (sweep / "0" / "gate").mkdir(parents=True)
+    (sweep / "0" / "gate" / "rank0").write_text("passed")
+    args = [*TINY, f"paths.cache_dir={data_cache}", "optimizer.lr=1e-3,2e-3", "hydra.launcher.devices=[0,1]"]
+    args += [gate(2, "${paths.output_dir}/gate"), f"hydra.sweep.dir={sweep}"]
+    env = {"PYTHONPATH": str(TESTS)}
+    ended = {}
+    first = threading.Thread(  # the sweep, while this thread kills its job #1 at the gate
+        target=lambda: ended.update(proc=run_cli("parallama.cli.train", "-m", *args, cwd=tmp_path, env=env,
+                                                 check=False, timeout=300))
+    )  # fmt: skip
+    first.start()
+    mark, deadline = sweep / "1" / "gate" / "rank0", time.time() + 240
+    while not mark.exists() or not mark.read_text().strip():
+        assert first.is_alive() and time.time() < deadline, ended
+        time.sleep(0.2)
+    os.kill(int(mark.read_text().split()[-1]), signal.SIGKILL)
+    first.join()
+    out = ended["proc"].stdout + ended["proc"].stderr
+    assert ended["proc"].returncode == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("#") and ": " in line][-2:]
+    resume = f"hydra.sweep.dir={sweep} ckpt_path=last"
+    assert lines[0].startswith("#0 done (val/loss ") and lines[0].endswith(str(sweep / "0"))
+    assert lines[1].startswith(
+        "#1 stopped: killed by SIGKILL; no checkpoint was written yet; resume the sweep"
+    )
+    assert lines[1].endswith(resume), lines[1]
+    assert "Error executing job" not in out and "Traceback" not in out
+    log0 = (sweep / "0" / "train.log").read_text()
+
+    again = run_cli(
+        "parallama.cli.train", "-m", *args[:-1], *resume.split(), cwd=tmp_path, env=env, timeout=300
+    )
+    out = again.stdout + again.stderr
+    assert "#0 finished already" in out and "#1 wrote no checkpoint: it starts afresh" in out
+    assert (sweep / "0" / "train.log").read_text() == log0  # not run again
+    assert train_steps(sweep / "1")[-4:] == [1, 2, 3, 4]
+    with open(sweep / "sweep_results.csv") as f:
+        assert [r["state"] for r in csv.DictReader(f)] == ["done", "done"]
 
 
 def test_grid_jobs_run_at_once_each_with_its_own_run(grid):
@@ -149,7 +218,11 @@ def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
         time.sleep(0.5)
     sweep.send_signal(signal.SIGTERM)
     output = sweep.communicate(timeout=120)[0].decode()
-    assert sweep.returncode == 130 and "run the same command to continue" in output
+    assert sweep.returncode == 2, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("#0 ")]  # one line per job: one job
+    assert line.startswith("#0 stopped: stopped by SIGTERM at step 3; last checkpoint: ")
+    assert "; resume the sweep with: parallama-train -m " in line and " hparams_search=lr_optuna " in line
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output
     (first,) = log.iterdir()
     interrupted = client_state(first / "0" / "checkpoints" / "last.ckpt")
     assert interrupted["global_step"] == 3  # stopped mid-training (test_sweep_continue: after its fit)

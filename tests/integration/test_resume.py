@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import LONG, TINY, run_cli, train, weights
+from conftest import LONG, TINY, run_cli, train, tree_digest, weights
 from corruption import flip_a_tensor_byte
 
 
@@ -172,6 +172,8 @@ def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
     try:
         wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=3)
         proc.send_signal(signal.SIGSTOP)  # alive but paused: it cannot finish while the others start
+        time.sleep(0.5)  # stopped for sure: nothing of its own changes its directory below
+        before = tree_digest(run)
         for args, needle in [
             ([f"hydra.run.dir={run}", "ckpt_path=last"], f"hydra.run.dir={run} belongs to a live run (pid "),
             ([f"ckpt_path={run}"], f"ckpt_path={run} is a run that is still alive (pid "),
@@ -180,6 +182,7 @@ def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
             assert second.returncode == 2, second.stderr[-2000:]
             errors = [line for line in (second.stdout + second.stderr).splitlines() if "error:" in line]
             assert len(errors) == 1 and needle in errors[0], errors
+        assert tree_digest(run) == before  # found: its .hydra/ rewritten, the refusal in its train.log
         assert proc.poll() is None  # the first run goes on
     finally:
         proc.send_signal(signal.SIGTERM)  # it saves last.ckpt at its next step and exits 0

@@ -77,11 +77,15 @@ def grid(slurm, tmp_path_factory, data_cache):
 
 def test_a_cancelled_job_says_where_it_stopped(grid):
     tmp, cancelled, _ = grid
-    # Hydra's report of a failed job: its overrides, the job's line, and no traceback
-    (line,) = [line for line in cancelled.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: a job of the sweep was stopped by SIGTERM at step 3; last checkpoint: ")
-    assert line.endswith("run the same command with ckpt_path=last to resume its jobs"), line
-    assert "Traceback" not in cancelled, cancelled[-3000:]
+    # the sweep's end: a line per job, each with where it stopped and the command that resumes the sweep
+    lines = sorted(line for line in cancelled.splitlines() if line.startswith("#"))
+    assert len(lines) == 2, cancelled[-3000:]
+    for job, line in zip(("0", "1"), lines):
+        assert line.startswith(
+            f"#{job} stopped: stopped by SIGTERM at step 3; last checkpoint: {tmp / 'sweep' / job}"
+        )
+        assert line.endswith(f"hydra.sweep.dir={tmp / 'sweep'} ckpt_path=last"), line
+    assert "Traceback" not in cancelled and "Error executing job" not in cancelled, cancelled[-3000:]
     for job in ("0", "1"):
         log = (tmp / "sweep" / job / "train.log").read_text()
         assert f"stopped by SIGTERM at step 3; last checkpoint: {tmp / 'sweep' / job}" in log
@@ -150,7 +154,7 @@ def test_a_job_that_fails_ends_the_sweep_with_its_line(slurm, tmp_path, data_cac
     """A job's one-line error (here ckpt_path=last in a new sweep: nothing to resume) reaches the sweep's process,
     which ends with it; an exit inside submitit's process would leave the sweep waiting for a result."""
     proc = sweep(tmp_path, data_cache, "ckpt_path=last")
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: a job of the sweep failed: ckpt_path=last: this run's directory ")
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    assert line.startswith("#0 failed: ckpt_path=last: this run's directory "), line
     assert " has no checkpoint (looked for " in line

@@ -164,6 +164,19 @@ def test_splits_safely_only_for_gpt2_style_pipelines(bpe):
     assert not any(map(splits_safely, (lowercasing, metaspace, prefix)))
 
 
+def test_a_bpe_vocabulary_smaller_than_asked_is_one_line(caplog, monkeypatch):
+    """Found: a small corpus gave 560 tokens for the 4096 asked, silently."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("parallama"), "disabled", False)  # an in-process Hydra app may have
+    tok = train_bpe(["the cat sat on the mat"] * 3, vocab_size=4096)
+    (line,) = [r.getMessage() for r in caplog.records if "BPE learned" in r.getMessage()]
+    assert line.startswith(
+        f"tokenizer: BPE learned {tok.get_vocab_size()} tokens, not the tokenizer.vocab_size=4096"
+    )
+    assert "min_frequency=2" in line and "\n" not in line
+
+
 def test_train_bpe_on_chunks_equals_whole_documents():
     """train_bpe feeds long texts in chunks: the same word counts, so the same tokenizer as unchunked."""
     long = "\n".join(embedded())

@@ -32,8 +32,9 @@ def steps_that_agree(tmp_path, device: str, every_n_steps=None, signal_at=None, 
         trainer.global_step = step
         if step == signal_at:
             callback._record(signal.SIGTERM, None)
-        try:
-            callback.on_train_batch_end(trainer, None, None, None, step)
+        callback.on_train_batch_end(trainer, None, None, None, step)
+        try:  # raised once Lightning has logged the step: as the next batch (or validation) starts
+            callback.on_train_batch_start(trainer, None, None, step + 1)
         except Preempted:
             return reduced, step
     return reduced, None

@@ -108,3 +108,64 @@ def test_a_single_device_run_gets_the_slurm_environment_its_strategy_lacks(monke
     requeue_single_device_jobs([preemption], [])
     assert isinstance(preemption.slurm_environment, SLURMEnvironment)
     assert preemption.slurm_environment.requeue_signal == signal.SIGUSR1
+
+
+class Logged(Tiny):
+    """Tiny with a logged loss and a validation that counts its batches."""
+
+    validated = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        Logged.validated += 1
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+
+
+class SignalAt(L.Callback):
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_keeps_the_stop_steps_row_and_validates_nothing(tmp_path, signame):
+    """Found: each SIGTERM stop lost its step's `train/loss` row (the step trained and saved): Lightning hands a
+    step's metrics to the loggers after `on_train_batch_end`, where the stop was raised. Rows come every 2 steps
+    here; the stop at step 3, where a validation is due, logs its row and validates nothing."""
+    import signal
+
+    from parallama.errors import Preempted
+    from parallama.training.callbacks import PreemptionCheckpoint
+
+    logger = AppendingCSVLogger(str(tmp_path), version="")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        log_every_n_steps=2,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            SignalAt(3, getattr(signal, signame)),
+            PreemptionCheckpoint(str(tmp_path / "checkpoints")),
+        ],
+    )
+    Logged.validated = 0
+    with pytest.raises(Preempted, match=f"stopped by {signame} at step 3"):
+        trainer.fit(Logged())
+    with open(logger.metrics_file) as f:
+        rows = [row for row in csv.DictReader(f) if row["train/loss"]]
+    assert [int(row["step"]) for row in rows] == [1, 2]  # Lightning numbers a row by the steps before it
+    assert Logged.validated == 0
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()

@@ -1,7 +1,8 @@
 """Hydra instantiates launchers and sweepers only from the `hydra_plugins` namespace; parallama's live in
-parallama.sweeps and are named here (conf/hydra/launcher/devices.yaml, conf/hydra/sweeper/optuna_pruning.yaml)."""
+parallama.sweeps and are named here (conf/hydra/launcher/devices.yaml, conf/hydra/sweeper/grid.yaml,
+conf/hydra/sweeper/optuna_pruning.yaml)."""
 
-from parallama.sweeps import launcher, optuna_sweeper
+from parallama.sweeps import grid, launcher, optuna_sweeper
 
 
 class DeviceLauncher(launcher.DeviceLauncher):
@@ -10,3 +11,7 @@ class DeviceLauncher(launcher.DeviceLauncher):
 
 class OptunaPruningSweeper(optuna_sweeper.OptunaPruningSweeper):
     __doc__ = optuna_sweeper.OptunaPruningSweeper.__doc__
+
+
+class GridSweeper(grid.GridSweeper):
+    __doc__ = grid.GridSweeper.__doc__

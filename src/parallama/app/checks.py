@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from parallama.app.run_dir import check_run_dir
 from parallama.config.schema import check_schema
 from parallama.distributed.dims import uses_gpu
 from parallama.errors import ConfigError
@@ -113,6 +114,45 @@ def check_inputs(cfg: DictConfig) -> None:
             spec.hf.load_hf_config(cfg.init_from, spec.config)
             if unverified := check_init_from(spec, cfg.init_from, fields):
                 logging.getLogger("parallama").warning(unverified)
+    _check_tokenizer(cfg)
+    check_run_dir(cfg)  # last: the checks above refuse what they refuse whatever the directory holds
+
+
+def check_vocab_fits(tokens: int, vocab_size: int | None) -> None:
+    """The model's embedding holds every id the tokenizer gives (`model.vocab_size` null: it follows the tokenizer)."""
+    if vocab_size is not None and tokens > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokens} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size>={tokens} (or null to follow the tokenizer)"
+        )
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """A tokenizer that needs no training and no download (byte-level, a tokenizer.json on disk) is loaded here,
+    so a missing file or a model.vocab_size below it is one line before the run starts; a trained BPE or a Hub
+    tokenizer is checked by the run when it has it."""
+    from hydra.utils import get_object
+
+    from parallama import tokenizer as tokenizers
+
+    node = OmegaConf.select(cfg, "tokenizer")
+    try:  # the factory itself: a saved config may name it by its old path (parallama.tokenizer)
+        factory = get_object(node.get("_target_")) if isinstance(node, DictConfig) and "_target_" in node else None
+    except Exception:  # a bad _target_ is refused where the tokenizer is built, with the valid ones
+        return
+    if factory is tokenizers.byte_level:
+        tokens = tokenizers.byte_level().get_vocab_size()
+    elif factory is tokenizers.from_pretrained:
+        try:
+            path = tokenizers.local_tokenizer_file(node.name_or_path)
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
+        if path is None:  # a Hub id: the run downloads it
+            return
+        tokens = tokenizers.from_pretrained(path).get_vocab_size()
+    else:
+        return
+    check_vocab_fits(tokens, OmegaConf.select(cfg, "model.vocab_size"))
 
 
 def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:

@@ -72,7 +72,7 @@ def preflight(
     """
     if os.environ.get(CHECKED_ENV):
         return
-    overrides, printing, search, multirun = [], False, [], False
+    overrides, printing, search, multirun, run = [], False, [], False, []
     args = iter(argv)
     for arg in args:
         flag = arg.split("=", 1)[0]
@@ -90,9 +90,13 @@ def preflight(
             multirun = True
         elif flag in ("hydra.run.dir", "hydra.sweep.dir") and not printing:
             _check_creatable(flag, arg.split("=", 1)[1])
+            run.append(arg)  # the job's directory, which the checks of the files a run reads look into
+        elif flag == "hydra.mode":
+            run.append(arg)
         elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
     extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
+    extra += [*run, "hydra.mode=MULTIRUN"] if multirun else run
     from hydra import initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
@@ -213,6 +217,7 @@ def compose_job(config_name: str, overrides: list[str], list_keys: bool = False)
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
+    from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -220,6 +225,9 @@ def compose_job(config_name: str, overrides: list[str], list_keys: bool = False)
     except (HydraException, OmegaConfBaseException) as err:
         message = f"{err}\n{err.__cause__ or ''}"
         raise ConfigError(_one_line(message, lambda: compose(config_name), list_keys)) from None
+    # the job's directory (paths.output_dir), as Hydra's run_job sets it
+    if cfg.hydra.mode != RunMode.MULTIRUN:
+        cfg.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} interpolations resolve
     with open_dict(cfg):
         del cfg["hydra"]

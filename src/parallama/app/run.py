@@ -13,10 +13,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from parallama.app.checks import apply_derived, check_config
+from parallama.app.checks import apply_derived, check_config, check_vocab_fits
 from parallama.app.compose import already_checked
 from parallama.config.parts import instantiate_part
-from parallama.errors import ConfigError
 from parallama.runtime import faults
 from parallama.training.report import (
     generate_sample,
@@ -24,6 +23,7 @@ from parallama.training.report import (
     one_console_for_lightning,
     print_config,
     report,
+    run_facts,
     validation_off,
 )
 
@@ -80,13 +80,9 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     datamodule = hydra.utils.instantiate(cfg.data)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     vocab = datamodule.vocab_size
+    check_vocab_fits(vocab, model_cfg["vocab_size"])  # a trained or downloaded tokenizer: known only now
     if model_cfg["vocab_size"] is None:
         model_cfg["vocab_size"] = -(-vocab // 64) * 64  # a multiple of 64 keeps matmuls aligned
-    elif vocab > model_cfg["vocab_size"]:
-        raise ConfigError(
-            f"the tokenizer has {vocab} tokens but model.vocab_size={model_cfg['vocab_size']}; "
-            f"set model.vocab_size>={vocab} (or null to follow the tokenizer)"
-        )
     module: CausalLM = instantiate_part(
         OmegaConf.to_container(cfg.module),
         "module",
@@ -139,6 +135,8 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
                 "model/flops_per_token": module.config.flops_per_token(cfg.data.seq_len),
             }
         )
+    if trainer.is_global_zero:
+        log.info(run_facts(cfg, trainer, module.config, vocab))
     cores = pinned_cores()
     log.info(
         f"[rank {trainer.global_rank}/{trainer.world_size}, local rank {trainer.local_rank}] "

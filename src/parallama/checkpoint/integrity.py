@@ -22,6 +22,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 
 from parallama.errors import ConfigError
+from parallama.runtime.launch import first_process
 
 log = logging.getLogger("parallama")
 
@@ -144,9 +145,7 @@ def verify(path: str | os.PathLike, note_missing: bool = True) -> None:
 def note_once(line: str) -> None:
     """A note the config check and the run would both give (they read the same checkpoint): once, by the
     job's first process."""
-    from parallama.checkpoint.resume import _first_process
-
-    if _first_process():
+    if first_process():
         log.warning(line)
 
 

@@ -18,6 +18,7 @@ from parallama.checkpoint.formats import client_state
 from parallama.checkpoint.integrity import note_once, problem, verify
 from parallama.errors import ConfigError
 from parallama.runtime.faults import run_checkpoints
+from parallama.runtime.launch import first_process
 
 
 def check_fresh_run(cfg: DictConfig) -> None:
@@ -53,7 +54,7 @@ def owning_run_dir(output_dir: str):
     for the job's duration, and a second run into the same directory, or `ckpt_path=last` into it, is refused in
     one line while the owner lives (found: two runs in one directory both exited 0, the first one's resume point
     overwritten, metrics.csv interleaved). A record whose process is gone (killed, preempted) is taken over."""
-    if not _first_process():
+    if not first_process():
         yield
         return
     path = Path(output_dir) / OWNER
@@ -64,11 +65,7 @@ def owning_run_dir(output_dir: str):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             break
         except FileExistsError:
-            if owner := live_owner(output_dir):
-                raise ConfigError(
-                    f"hydra.run.dir={output_dir} belongs to a live run (pid {owner['pid']} on {owner['host']}); "
-                    "wait for it to end, or pick another hydra.run.dir"
-                ) from None
+            refuse_live_owner(output_dir)
             path.unlink(missing_ok=True)  # its run is gone: take the directory over
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
@@ -79,16 +76,19 @@ def owning_run_dir(output_dir: str):
             path.unlink(missing_ok=True)
 
 
+def refuse_live_owner(output_dir: str) -> None:
+    """One line if a live run owns `output_dir` (`owning_run_dir`)."""
+    if owner := live_owner(output_dir):
+        raise ConfigError(
+            f"hydra.run.dir={output_dir} belongs to a live run (pid {owner['pid']} on {owner['host']}); "
+            "wait for it to end, or pick another hydra.run.dir"
+        )
+
+
 def live_owner(run_dir: str | os.PathLike) -> dict | None:
     """The live run that owns `run_dir` (`owning_run_dir`), or None."""
     owner = _read_owner(Path(run_dir) / OWNER)
     return owner if owner is not None and _alive(owner) else None
-
-
-def _first_process() -> bool:
-    """Global rank 0 of the job before any process group exists: no launcher's rank, or rank 0 of it."""
-    ranks = (os.environ.get(k, "0") for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
-    return all(r == "0" for r in ranks)
 
 
 def _read_owner(path: Path) -> dict | None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from parallama import CONF_DIR
 from parallama.app.compose import compose_tool, preflight
-from parallama.errors import EXIT_BAD_INPUT, ConfigError, exit_status
+from parallama.errors import exit_status
 
 log = logging.getLogger("parallama")
 
@@ -54,9 +54,12 @@ def run(
     try:
         args = rewrite(args) if rewrite is not None else args
         preflight(CONF_DIR, config_name, args, check or (lambda cfg, hardware: None), list_keys)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+    except Exception as err:  # a file a check reads, a part it builds: what the user can act on is one line
+        status, line = exit_status(err)
+        if status is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(status)
     if setup is not None:
         setup()
     import hydra
@@ -90,6 +93,37 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=r"The `srun` command is available on your system but is not used"
     )
+    # parallama logs val/loss, val/ppl and step once computed over every rank (torchmetrics syncs the loss), so
+    # Lightning's advice to sync them again (`sync_dist=True`, once per key and multi-rank run) does not apply.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self\.log\('(val/loss|val/ppl|step)', \.\.\., sync_dist=True\)`",
+    )
+    # Lightning's INFO lines about its own set-up that ask nothing of the user: an advertisement for its cloud logger,
+    # and that the model summary callback parallama configures is configured.
+    lightning = "lightning.pytorch.utilities.rank_zero"
+    drop_log_records(lightning, "try installing [litlogger]")
+    drop_log_records(lightning, "Trainer already configured with model summary callbacks")
+    # torch's DTensor, once per rank under expert parallelism: the gradient norm's partial sums over the expert and
+    # data-parallel mesh dimensions are all-reduced one dimension after the other (a norm, not the step's data).
+    drop_log_records("torch.distributed.tensor._redistribute", "_NormPartial", "sequential all_reduce")
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(needle in message for needle in self.needles)
+
+
+def drop_log_records(logger: str, *needles: str) -> None:
+    """A third-party logger's records that contain every one of `needles` are not emitted."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _DropRecords) and f.needles == needles for f in target.filters):
+        target.addFilter(_DropRecords(needles))
 
 
 def compose(

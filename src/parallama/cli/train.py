@@ -4,16 +4,43 @@ many at once as the devices allow (parallama.sweeps). Returns the final `optimiz
 
 from __future__ import annotations
 
+import shutil
 import warnings
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from parallama.cli import app
-from parallama.errors import ConfigError, RankDied, TrainingDiverged
+from parallama.errors import EXIT_BAD_INPUT, ConfigError, RankDied, TrainingDiverged, exit_status
 
 
 def train_job(cfg: DictConfig) -> float | None:
-    """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize."""
+    """One job: train, then the value of `optimized_metric` (default val/loss), which sweeps minimize. A start
+    refused for bad input found only once the run is under way (its data, a trained tokenizer) removes the run
+    directory it made, as a refusal before Hydra made it leaves none (app/run_dir.py `check_run_dir`)."""
+    try:
+        return _train_job(cfg)
+    except Exception as err:
+        if exit_status(err)[0] == EXIT_BAD_INPUT:
+            _forget_refused_start(Path(cfg.paths.output_dir))
+        raise
+
+
+def _forget_refused_start(run_dir: Path) -> None:
+    """Remove `run_dir`, and the folders made for it, if this start made it (the preflight found none) and it holds
+    no checkpoint."""
+    from parallama.app.run_dir import run_dir_made_in
+
+    if run_dir_made_in is None or any(run_dir.glob("checkpoints/*")):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.absolute().parents:
+        if parent == run_dir_made_in.absolute() or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def _train_job(cfg: DictConfig) -> float | None:
     from parallama.app.run import train
     from parallama.runtime import faults
     from parallama.training.loggers import finish_wandb_run

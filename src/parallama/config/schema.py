@@ -83,6 +83,7 @@ class Run:
     float8_filter: str = key("auto", Rule(str, choices=FLOAT8_FILTERS))
     init_from: str | None = key(None)  # a Hugging Face folder, read in checks.check_inputs
     validate_before_training: bool = key(True, BOOL)
+    print_config: bool = key(False, BOOL)  # the console shows the overrides; the run dir has the whole config
 
 
 @dataclass

@@ -156,6 +156,7 @@ class TextDataModule(LightningDataModule):
             else:
                 self._open_splits()
         self._check_train_split(stage)
+        self._check_val_split(stage)
 
     def _open_splits(self) -> None:
         entry = self.cache.open() or self._entry()
@@ -186,6 +187,28 @@ class TextDataModule(LightningDataModule):
             f"data: the train split has {have} samples of seq_len {self.seq_len} "
             f"({self._meta()['n_tokens']['train']} tokens) but {step}; "
             "use more data or lower data.batch_size/data.seq_len"
+        )
+
+    def _check_val_split(self, stage: str | None) -> None:
+        """A run that validates needs a validation sample (found: one 50 MB document trained with `final metrics:
+        {}` and only Lightning's generic warning): documents are held out whole, so one document, or held-out ones
+        shorter than a sample, leave none. Checked as the data is set up, before training."""
+        trainer = self.trainer
+        validates = self.val_fraction > 0 and (trainer is None or trainer.limit_val_batches != 0)
+        if stage not in ("fit", "validate") or not validates or len(self.datasets["val"]) > 0:
+            return
+        if self.mixture:
+            held_out = "none of the mixture's sources holds out a sample"
+        else:
+            docs, tokens = self._meta()["n_docs"], self._meta()["n_tokens"]["val"]
+            held_out = (
+                f"{docs['val']} of {docs['train'] + docs['val']} documents held out, {tokens} tokens, fewer than "
+                f"a sample of data.seq_len={self.seq_len}"
+            )
+        raise ConfigError(
+            f"data: the validation split is empty ({held_out}; documents are held out whole, data.val_fraction="
+            f"{self.val_fraction} of them): use more documents (split a long one into several), raise "
+            "data.val_fraction, or train without validation with data.val_fraction=0"
         )
 
     def _world(self) -> tuple[int, int]:

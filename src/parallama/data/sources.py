@@ -203,9 +203,41 @@ def _rows(path: str) -> Iterator[dict]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"data.source.paths: {path} is not valid UTF-8 ({e}); files must be UTF-8") from e
     except Exception as e:  # whatever the reader raises, say which file it choked on
+        if builder == "json" and (where := _json_error(path)) is not None:
+            raise ConfigError(f"data.source.paths: {path} {where}") from e
         raise ConfigError(f"data.source.paths: cannot read {path}: {_one_line(e)}") from e
     finally:
         json_log.setLevel(level)
+
+
+def _json_error(path: str) -> str | None:
+    """Where a JSON file stops parsing, counted as the other data errors count: records from 1 (Arrow says `row
+    100`, from 0 within the block it read, and calls an unterminated string "Invalid encoding in string").
+    None where Python reads it whole."""
+    import json
+
+    with open(path, "rb") as f:
+        if f.read(64).lstrip().startswith(b"["):  # one JSON array
+            try:
+                json.loads(f.seek(0) or f.read())
+            except UnicodeDecodeError:
+                return "is not valid UTF-8; files must be UTF-8"
+            except json.JSONDecodeError as e:
+                return f"is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
+            return None
+        f.seek(0)
+        lines = (line for line in enumerate(f, 1) if line[1].strip())  # records: the lines that are not blank
+        for record, (number, line) in enumerate(lines, 1):
+            at = f"record {record} (line {number})"
+            try:
+                value = json.loads(line.rstrip(b"\r\n"))
+            except UnicodeDecodeError:
+                return f"{at} is not valid UTF-8; files must be UTF-8"
+            except json.JSONDecodeError as e:
+                return f"{at} is not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
+            if not isinstance(value, dict):
+                return f"{at} is a JSON {type(value).__name__}, not an object with a text field"
+    return None
 
 
 def _one_line(e: Exception) -> str:

@@ -213,16 +213,20 @@ def hand_to_sweep(status: int) -> bool:
 
 
 class SweepJobEnded(CompactHydraException):
-    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line, handed to the sweep's process,
-    where Hydra prints a CompactHydraException as it is (exit status 1)."""
+    """A job of launcher=slurm that stopped (`scancel`) or failed with its one line (`what`, its exit `status`),
+    handed to the sweep's process: its sweeper says it with the other jobs (sweeps/jobs.py), and Hydra's own
+    sweepers print a CompactHydraException as it is (exit status 1)."""
 
     @classmethod
     def of(cls, what: str, status: int) -> SweepJobEnded:
         if status == 0:
-            return cls(
+            ended = cls(
                 f"error: a job of the sweep was {what}; run the same command with ckpt_path=last to resume its jobs"
             )
-        return cls(f"error: a job of the sweep failed: {what}")
+        else:
+            ended = cls(f"error: a job of the sweep failed: {what}")
+        ended.what, ended.status = what, status
+        return ended
 
 
 def _launched_externally() -> bool:
@@ -291,3 +295,9 @@ def _worked_in(folder: Path) -> bool:
         except OSError:  # gone, or not ours to read
             continue
     return False
+
+
+def first_process() -> bool:
+    """Global rank 0 of the job before any process group exists: no launcher's rank, or rank 0 of it."""
+    ranks = (os.environ.get(k, "0") for k in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    return all(r == "0" for r in ranks)

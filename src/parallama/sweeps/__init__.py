@@ -1,5 +1,6 @@
-"""Sweeps on one machine: jobs spread over its devices (launcher.py), Optuna that prunes and resumes
-(optuna_sweeper.py), and the callback through which a trial reports to its study (pruning.py)."""
+"""Sweeps on one machine: jobs spread over its devices (launcher.py), a grid (grid.py) and Optuna that prunes and
+resumes (optuna_sweeper.py), how a sweep ends (jobs.py: a table, a line per job that did not finish), and the
+callback through which a trial reports to its study (pruning.py)."""
 
 
 def register_plugins() -> None:
@@ -9,5 +10,5 @@ def register_plugins() -> None:
 
     import hydra_plugins.parallama_sweeps as plugins
 
-    for plugin in (plugins.DeviceLauncher, plugins.OptunaPruningSweeper):
+    for plugin in (plugins.DeviceLauncher, plugins.GridSweeper, plugins.OptunaPruningSweeper):
         Plugins.instance().register(plugin)

@@ -32,20 +32,14 @@ from omegaconf import DictConfig, ListConfig, open_dict
 
 from parallama.distributed.dims import processes_per_node, uses_gpu
 from parallama.errors import ConfigError
+from parallama.runtime.faults import run_checkpoints
 from parallama.runtime.launch import JOB_CORES_ENV, JOB_RETURN_ENV, free_port, job_command
+from parallama.sweeps.jobs import FAILED, STOPPED, JobEnded, SweepInterrupted
 
 log = logging.getLogger(__name__)
 
 # The launcher's own settings and the run directories: the job's process gets its own.
 _NOT_PASSED = ("hydra.mode", "hydra.run.", "hydra.output_subdir", "hydra.job.name", "hydra.launcher")
-
-
-class JobFailed(RuntimeError):
-    """A job's process ended without a result: `status` is its exit status (see cli/app.py)."""
-
-    def __init__(self, status: int, job_dir: Path) -> None:
-        super().__init__(f"the job in {job_dir} exited with status {status}; its log: {job_dir}/train.log")
-        self.status = status
 
 
 @dataclass
@@ -58,6 +52,7 @@ class _Job:
     devices: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     started: float = 0.0
+    done: float | None = None  # a finished job of a sweep run again (`rejoin`): its value, not run again
 
 
 class DeviceLauncher(Launcher):
@@ -125,12 +120,18 @@ class DeviceLauncher(Launcher):
         processes = need if gpu else cpu_processes(cfg.trainer)
         if not gpu and self.n_jobs:  # fewer jobs than cores: each gets its share
             need = max(need, pool_size // self.n_jobs)
-        return _Job(idx, overrides, job_dir, need, processes)
+        job = _Job(idx, overrides, job_dir, need, processes)
+        if cfg.get("ckpt_path") == "last":
+            rejoin(job, cfg)
+        return job
 
     def _run(self, jobs: list[_Job], pool: list[str], at_once: int, gpu: bool) -> list[JobReturn]:
-        free, pending, running = list(pool), list(jobs), []
-        stop = signal.getsignal(signal.SIGTERM)
+        """The jobs, `at_once` at a time. Ctrl-C or SIGTERM: the jobs under way are stopped (each saves last.ckpt)
+        and waited for, none is started, and `SweepInterrupted` says where each job stands."""
+        free, pending, running = list(pool), [j for j in jobs if j.done is None], []
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, _raise_interrupt)  # killed: end the jobs first (they checkpoint)
+        interrupted = None
         try:
             while pending or running:
                 while pending and len(running) < at_once and len(free) >= pending[0].need:
@@ -145,15 +146,21 @@ class DeviceLauncher(Launcher):
                     log.info(
                         f"#{job.idx} ended (status {job.proc.returncode}, {time.time() - job.started:.0f} s)"
                     )
+        except KeyboardInterrupt as err:
+            interrupted = getattr(err, "signal_name", "SIGINT")
+            for signum in handlers:  # the jobs save and end: a second signal does not cut that short
+                signal.signal(signum, signal.SIG_IGN)
+            _stop(running)
         except BaseException:
-            for job in running:
-                job.proc.send_signal(signal.SIGTERM)
-            for job in running:
-                job.proc.wait()
+            _stop(running)
             raise
         finally:
-            signal.signal(signal.SIGTERM, stop)
-        return [self._result(job) for job in jobs]
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        results = [self._result(job) for job in jobs]
+        if interrupted is not None:
+            raise SweepInterrupted(interrupted, results)
+        return results
 
     def _start(self, job: _Job, gpu: bool, quiet: bool) -> None:
         job.dir.mkdir(parents=True, exist_ok=True)
@@ -187,15 +194,87 @@ class DeviceLauncher(Launcher):
             overrides=job.overrides, working_dir=str(job.dir), task_name=self.config.hydra.job.name
         )
         result = job.dir / ".job_return.json"
-        if job.proc.returncode == 0 and result.exists():
+        if job.done is not None:
+            ret.status, ret.return_value = JobStatus.COMPLETED, job.done
+        elif job.proc is None:
+            ret.status, ret.return_value = JobStatus.FAILED, JobEnded(STOPPED, None, "not started")
+        elif job.proc.returncode == 0 and result.exists():
             ret.status, ret.return_value = JobStatus.COMPLETED, json.loads(result.read_text())
         else:
-            ret.status, ret.return_value = JobStatus.FAILED, JobFailed(job.proc.returncode, job.dir)
+            ret.status, ret.return_value = JobStatus.FAILED, ended(job)
         return ret
 
 
+def rejoin(job: _Job, cfg: DictConfig) -> None:
+    """A job of a sweep run again with `ckpt_path=last` (the command its sweep's end prints): one that had
+    finished (its final metrics at trainer.max_steps) is done, not run again, where its resume was refused as
+    "nothing is left to train"; one that wrote no checkpoint (killed before its first save, or never started)
+    starts afresh."""
+    from parallama.training.report import final_metrics
+
+    metrics, steps = final_metrics(job.dir), cfg.trainer.max_steps
+    if metrics is not None and (steps is None or steps <= 0 or metrics.get("step", -1) >= steps):
+        job.done = metrics.get(cfg.get("optimized_metric") or "val/loss")
+        log.info(f"#{job.idx} finished already: {job.dir}")
+    elif not run_checkpoints(job.dir):
+        job.overrides = [*job.overrides, "ckpt_path=null"]
+        log.info(f"#{job.idx} wrote no checkpoint: it starts afresh in {job.dir}")
+
+
+def _checkpoint_note(run_dir: Path) -> str:
+    """A job's checkpoint, without a resume of its own: the sweep's resume line (jobs.py) resumes every job."""
+    found = run_checkpoints(run_dir)
+    return f"last checkpoint: {found[0]}" if found else "no checkpoint was written yet"
+
+
+def ended(job: _Job) -> JobEnded:
+    """How a job's process that gave no result ended, in words: stopped (by a signal it saved at, or killed), or
+    failed with its error line and where its log is."""
+    status = job.proc.returncode
+    logs = [p for p in (job.dir / "job.out", job.dir / "train.log") if p.exists()]
+    if status < 0:
+        return JobEnded(
+            STOPPED, status, f"killed by {_signal_name(-status)}; {_checkpoint_note(job.dir)}"
+        )
+    if status == 0:  # a stop signal: it saved last.ckpt and said where
+        return JobEnded(STOPPED, status, _said(logs, "stopped by ") or "ended without a result")
+    said = _said(logs, "error: ") or "its error is above"
+    where = f"; its log: {logs[0]}" if logs else ""
+    return JobEnded(FAILED, status, f"exit status {status}: {said.removeprefix('error: ')}{where}")
+
+
+def _said(logs: list[Path], marker: str) -> str | None:
+    """The last line of the job's output (job.out) or log (train.log) that holds `marker`, from the marker on."""
+    for path in logs:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if marker in line]
+        if lines:
+            return lines[-1][lines[-1].index(marker) :]
+    return None
+
+
+def _stop(running: list[_Job]) -> None:
+    """SIGTERM to the jobs under way (each saves last.ckpt at its next step), then wait for them to end."""
+    for job in running:
+        job.proc.send_signal(signal.SIGTERM)
+    for job in running:
+        job.proc.wait()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Signalled(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__(_signal_name(signum))
+        self.signal_name = _signal_name(signum)
+
+
 def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise _Signalled(signum)
 
 
 def cpu_processes(trainer: DictConfig) -> int:

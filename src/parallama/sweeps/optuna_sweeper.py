@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallama.errors import ConfigError
+from parallama.sweeps import jobs
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,15 @@ class OptunaPruningSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config
         )
 
+    @jobs.one_line_errors
     def sweep(self, arguments: list[str]) -> list:
         import optuna
 
         from parallama.sweeps.pruning import sqlite_storage
 
+        optuna.logging.set_verbosity(
+            optuna.logging.WARNING
+        )  # its INFO lines say what this sweeper's lines say
         fixed, space = search_space(arguments, self.params)
         if self.storage is None:
             raise ConfigError("hydra.sweeper.storage is null: set a database, e.g. sqlite:///optuna.db")
@@ -97,7 +102,8 @@ class OptunaPruningSweeper(Sweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         at_once = self.n_jobs or parallel_jobs(self.launcher, self.config)
         prunes = OmegaConf.select(self.config, TRIAL_KEY) is not None
-        job_idx, returns = 0, []
+        job_idx, returns, found = 0, [], []
+        resume = jobs.resume_command(self.config)  # the study continues where it stands
         while (left := self.n_trials - finished(study)) > 0:
             trials = [study.ask(space) for _ in range(min(at_once, left))]
             overrides = []
@@ -108,17 +114,18 @@ class OptunaPruningSweeper(Sweeper):
                 overrides.append([*job, f"{TRIAL_KEY}.trial={trial.number}"] if prunes else job)
             try:
                 results = self.launcher.launch(overrides, initial_job_idx=job_idx)
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs have checkpointed and ended
-                log.warning(f"sweep interrupted: run the same command to continue study {self.study_name!r}")
-                raise SystemExit(130) from None
+            except jobs.SweepInterrupted as stop:  # Ctrl-C or SIGTERM: the jobs have checkpointed and ended
+                jobs.end(found + jobs.outcomes(stop.results, job_idx), sweep_dir, resume, interrupted=True)
+            found += jobs.outcomes(results, job_idx)
             job_idx += len(trials)
             errors = [
                 err for trial, result in zip(trials, results) if (err := self.tell(study, trial, result))
             ]
-            if errors:  # a bug or a bad config, which every trial would meet alike
-                raise errors[0]
             returns.append(results)
+            if errors:  # a bug or a bad config, which every trial would meet alike: the search stops here
+                break
         self.report(study, sweep_dir)
+        jobs.end(found, sweep_dir, resume)
         return returns
 
     def check_settings(self, study, fixed: list[str]) -> None:
@@ -179,18 +186,16 @@ class OptunaPruningSweeper(Sweeper):
         """Tell the study how the trial's job ended; a failure other than divergence is returned."""
         from optuna.trial import TrialState
 
-        from parallama.sweeps.launcher import JobFailed
-
         if "output_dir" not in trial.user_attrs:  # set by the job's pruning callback, if it has one
             trial.set_user_attr("output_dir", str(Path(job_output_dir(result)).resolve()))
-        try:
-            value = result.return_value
-        except JobFailed as err:
-            if err.status == DIVERGED:
+        if (err := jobs.job_error(result)) is not None:
+            diverged = getattr(err, "status", None) == DIVERGED
+            if diverged:
                 trial.set_user_attr("diverged", True)
                 log.warning(f"trial {trial.number} diverged: {err}")
             study.tell(trial, state=TrialState.FAIL)
-            return None if err.status == DIVERGED else err
+            return None if diverged else err
+        value = result.return_value
         pruned_at = study.get_trials(deepcopy=False)[trial.number].user_attrs.get("pruned_at_step")
         if pruned_at is not None:
             study.tell(trial, state=TrialState.PRUNED)

@@ -68,10 +68,10 @@ class StepNumbers(Callback):
 
 
 class RichModelSummary(LightningRichModelSummary):
-    """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line: Lightning counts FLOPs only
-    by running the module's `example_input_array`, which a CausalLM has none of (a forward of the whole model at
-    fit start), so they read 0. The model's FLOPs per token are in the loggers' hyper-parameters
-    (`model/flops_per_token`) and the TokenThroughputMonitor's FLOP/s."""
+    """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line, its counts on one line.
+    Lightning counts FLOPs only by running the module's `example_input_array`, which a CausalLM has none of (a
+    forward of the whole model at fit start), so they read 0. The model's FLOPs per token are in the loggers'
+    hyper-parameters (`model/flops_per_token`) and the TokenThroughputMonitor's FLOP/s."""
 
     @staticmethod
     def summarize(
@@ -100,18 +100,14 @@ class RichModelSummary(LightningRichModelSummary):
             table.add_row(*row)
         console = get_console()
         console.print(table)
-        grid = Table.grid(expand=True)
-        grid.add_column()
         untrainable = total_parameters - trainable_parameters
-        grid.add_row(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}")
-        grid.add_row(f"[bold]Non-trainable params[/]: {get_human_readable_count(int(untrainable))}")
-        grid.add_row(f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))}")
-        grid.add_row(
-            f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}"
+        console.print(  # one line, not Lightning's six (its count of modules in train and eval mode says nothing)
+            f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters)).strip()}, "
+            f"non-trainable: {get_human_readable_count(int(untrainable)).strip()}, "
+            f"total: {get_human_readable_count(int(total_parameters)).strip()}"
+            f" ({get_formatted_model_size(model_size)} MB)",
+            soft_wrap=True,
         )
-        grid.add_row(f"[bold]Modules in train mode[/]: {total_training_modes['train']}")
-        grid.add_row(f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}")
-        console.print(grid)
 
 
 def requeue_single_device_jobs(callbacks: list, plugins: list) -> None:
@@ -136,8 +132,9 @@ class PreemptionCheckpoint(Callback):
     `every_n_steps` steps later, and every rank takes part in saving (DeepSpeed and FSDP checkpoints are
     collective). `every_n_steps: null`: every step on CPUs; on GPUs on the logging steps
     (`trainer.log_every_n_steps`, 10 by default), which wait for the GPU anyway (training/syncs.py). One process
-    needs no agreement and stops at the next step. Then every rank raises `Preempted`: no
-    validation or other end-of-run work, since a scheduler's grace period is short. Lightning's own SIGTERM
+    needs no agreement and stops at the next step. Then every rank raises `Preempted`, once Lightning has handed
+    the step's metrics to the loggers (which it flushes as the run ends): no validation or other end-of-run work,
+    since a scheduler's grace period is short. Lightning's own SIGTERM
     handler is replaced once the loop starts (it broadcasts from inside the handler, which deadlocks ranks that
     are in another collective); from `setup` until Lightning registers its own, this one is in place. Under
     SLURM with `SLURMEnvironment(auto_requeue=True)` (Lightning's default there) its requeue signal (SIGUSR1, what
@@ -156,6 +153,7 @@ class PreemptionCheckpoint(Callback):
         self._checked_step: int | None = None
         self._requeue: int | None = None  # the SLURM requeue signal, under SLURM with auto_requeue
         self._requeued = False  # the requeue signal came: SLURM's SIGTERM follows (`_restore`)
+        self._stopped: Preempted | None = None  # the stop, raised once its step is logged (`_stop`)
         # a single device's strategy holds no cluster environment: app/run.py gives the run's SLURM one here
         self.slurm_environment: SLURMEnvironment | None = None
         global _stop_signal
@@ -165,9 +163,6 @@ class PreemptionCheckpoint(Callback):
         """Before Lightning registers its SIGTERM handler: remember what to restore, and record a SIGTERM now."""
         if threading.current_thread() is threading.main_thread():
             self._sigterm_before_lightning = signal.signal(signal.SIGTERM, self._record)
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._install(trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._install(trainer)
@@ -208,16 +203,44 @@ class PreemptionCheckpoint(Callback):
                 self._requeued = True
                 trainer.strategy.barrier("requeue")  # every rank has saved
                 if not trainer.is_global_zero:
-                    raise Preempted(f"{message}; rank 0 requeues the job")
-                # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
-                # last line, in tests/slurm/test_srun.py)
-                requeued, words = requeue_slurm_job()  # if not, the line says how to resume it
-                stopped = Preempted(
-                    f"{message}; {words}", None if requeued else resume_overrides(self.path), said=True
-                )
-                log.warning(stopped.line)
-                raise stopped
-            raise Preempted(message, resume_overrides(self.path))
+                    stopped = Preempted(f"{message}; rank 0 requeues the job")
+                else:
+                    # said at once: SLURM ends the job while the ranks wind down (seen: rank 0 killed before its
+                    # last line, in tests/slurm/test_srun.py)
+                    requeued, words = requeue_slurm_job()  # if not, the line says how to resume it
+                    stopped = Preempted(
+                        f"{message}; {words}", None if requeued else resume_overrides(self.path), said=True
+                    )
+                    log.warning(stopped.line)
+            else:
+                stopped = Preempted(message, resume_overrides(self.path))
+            self._stop(trainer, stopped)
+
+    def _stop(self, trainer, stopped: Preempted) -> None:
+        """Raised once Lightning has logged this step: it hands the step's metrics (train/loss, ...) to the loggers
+        after every `on_train_batch_end`, so raising here lost the stop step's row. `should_stop` has the step
+        logged whatever `trainer.log_every_n_steps` says; what comes next is a validation or the next batch, and
+        the stop is raised as it starts (`_raise_stop`): no validation or other end-of-run work, as a scheduler's
+        grace period is short. The loggers are flushed as Lightning ends a run on an exception."""
+        self._stopped = stopped
+        trainer.should_stop = True
+
+    def _raise_stop(self) -> None:
+        if self._stopped is not None:
+            raise self._stopped
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._raise_stop()
+        self._install(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._raise_stop()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._raise_stop()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._raise_stop()
 
     def _agree_now(self, trainer) -> bool:
         n = self.every_n_steps or (max(trainer.log_every_n_steps, 1) if syncs.device_waits(trainer) else 1)

@@ -4,6 +4,7 @@ Lightning's console lines once. The job itself is app/run.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -62,23 +63,60 @@ def job_config(cfg: DictConfig) -> dict:
 
 
 def print_config(cfg: DictConfig) -> None:
-    """Shown highlighted on a terminal, and in full (not cut at 80 columns) in a log file."""
+    """The whole config goes to the run directory (resolved_config.yaml, beside Hydra's .hydra/config.yaml); the
+    console gets the command line's overrides, and the whole config only with `print_config=true` (highlighted on a
+    terminal, in full width in a log file): 154 of a default run's 187 lines were the config."""
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:
         return
+    text = OmegaConf.to_yaml(job_config(cfg))
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.yaml").write_text(text)
+    if not cfg.get("print_config"):
+        log.info(
+            f"overrides: {' '.join(command_line_overrides()) or 'none'}; the whole config: "
+            f"{out / 'resolved_config.yaml'} (print_config=true prints it)"
+        )
+        return
     from rich.console import Console
     from rich.syntax import Syntax
 
-    text = OmegaConf.to_yaml(job_config(cfg))
     console = Console()
     if console.is_terminal:
         console.print(Syntax(text, "yaml", theme="ansi_dark"))
     else:
         print(text, flush=True)
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.yaml").write_text(text)
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides of the running Hydra job (none outside Hydra: a config composed in Python)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def run_facts(cfg: DictConfig, trainer, model_config, tokens: int) -> str:
+    """The run in one line: the model, the data and its tokenizer, the steps and their batch, the machine."""
+    from parallama.distributed.dims import dims_of_config
+    from parallama.models import DEFAULT_FAMILY
+
+    family = cfg.model.get("family") or DEFAULT_FAMILY
+    source = cfg.data.get("source") or {}
+    data = (
+        str(source.get("_target_", "")).rpartition(".")[2]
+        or f"a mixture of {len(cfg.data.get('sources') or {})}"
+    )
+    batch = cfg.data.batch_size * dims_of_config(cfg).dp_size * trainer.accumulate_grad_batches
+    device = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()  # cpu, cuda
+    steps = f"{trainer.max_steps} steps" if trainer.max_steps > 0 else f"{trainer.max_epochs} epochs"
+    return (
+        f"run: {family} of {model_config.num_hidden_layers} layers x {model_config.hidden_size}, "
+        f"vocabulary {model_config.vocab_size} (tokenizer {tokens}); data {data}; {steps} of {batch} x "
+        f"{cfg.data.seq_len} tokens; precision {trainer.precision} on {trainer.num_devices} "
+        f"{device} device(s) x {trainer.num_nodes} node(s)"
+    )
 
 
 def validation_off(cfg: DictConfig) -> str | None:
@@ -116,6 +154,29 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
         )
     metrics = {k: f"{float(v):.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     lines.append(f"final metrics:   {metrics}" + (f" (validation was off: {off})" if off else ""))
+    if not trainer.fast_dev_run:
+        write_final_metrics(output_dir, trainer)
     if sample is not None:
         lines.append(f"sample:\n{sample}")
     log.info("\n".join(lines))
+
+
+FINAL_METRICS = (
+    "final_metrics.json"  # in the run directory: what a sweep's table shows of its jobs (sweeps/jobs.py)
+)
+
+
+def write_final_metrics(output_dir: str, trainer) -> None:
+    """The run's last values of every metric, and the step they were reached at: a sweep's table reads them, and a
+    sweep run again with `ckpt_path=last` tells a job that had finished from one that had not."""
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    text = json.dumps({**metrics, "step": trainer.global_step}, indent=1)
+    (Path(output_dir) / FINAL_METRICS).write_text(text + "\n")
+
+
+def final_metrics(run_dir: str | Path) -> dict | None:
+    """What `write_final_metrics` wrote in `run_dir` (None: the run has not finished)."""
+    try:
+        return json.loads((Path(run_dir) / FINAL_METRICS).read_text())
+    except (FileNotFoundError, ValueError):
+        return None

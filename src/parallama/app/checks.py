@@ -137,7 +137,9 @@ def _check_tokenizer(cfg: DictConfig) -> None:
 
     node = OmegaConf.select(cfg, "tokenizer")
     try:  # the factory itself: a saved config may name it by its old path (parallama.tokenizer)
-        factory = get_object(node.get("_target_")) if isinstance(node, DictConfig) and "_target_" in node else None
+        factory = (
+            get_object(node.get("_target_")) if isinstance(node, DictConfig) and "_target_" in node else None
+        )
     except Exception:  # a bad _target_ is refused where the tokenizer is built, with the valid ones
         return
     if factory is tokenizers.byte_level:

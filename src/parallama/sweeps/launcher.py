@@ -233,9 +233,7 @@ def ended(job: _Job) -> JobEnded:
     status = job.proc.returncode
     logs = [p for p in (job.dir / "job.out", job.dir / "train.log") if p.exists()]
     if status < 0:
-        return JobEnded(
-            STOPPED, status, f"killed by {_signal_name(-status)}; {_checkpoint_note(job.dir)}"
-        )
+        return JobEnded(STOPPED, status, f"killed by {_signal_name(-status)}; {_checkpoint_note(job.dir)}")
     if status == 0:  # a stop signal: it saved last.ckpt and said where
         return JobEnded(STOPPED, status, _said(logs, "stopped by ") or "ended without a result")
     said = _said(logs, "error: ") or "its error is above"

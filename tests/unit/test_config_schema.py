@@ -25,17 +25,19 @@ TRAIN = {
 CLASSES = sorted(TRAIN, key=lambda cls: cls.__name__) + TOOLS
 
 
-def conf_node(conf: str) -> dict:
+def conf_node(conf: str, fields_of: type | None = None) -> dict:
     """The keys a conf file sets itself (`file.yaml:node.path` for a node in it), unresolved; without Hydra's
-    `defaults`, `_target_`/`_partial_` and the nodes other classes mirror."""
+    `defaults`, `_target_`/`_partial_` and the nodes other classes mirror (a node that is a field of `fields_of`,
+    such as a duration Hydra builds, is kept)."""
     file, _, node = conf.partition(":")
     data = OmegaConf.to_container(OmegaConf.load(CONF_DIR / file), resolve=False)
     for part in node.split(".") if node else []:
         data = data[part]
+    kept = {f.name for f in fields(fields_of)} if fields_of else set()
     return {
         k: v
         for k, v in data.items()
-        if k not in ("defaults", "_target_", "_partial_") and not isinstance(v, dict)
+        if k not in ("defaults", "_target_", "_partial_") and (not isinstance(v, dict) or k in kept)
     }
 
 
@@ -49,7 +51,7 @@ def defaults(cls) -> dict:
 @pytest.mark.parametrize("cls", CLASSES, ids=[cls.__name__ for cls in CLASSES])
 def test_each_class_is_its_conf_file(cls):
     """The same keys, and each default the file's value."""
-    file = conf_node(cls.conf)
+    file = conf_node(cls.conf, cls)
     assert defaults(cls) == file
 
 

@@ -169,3 +169,16 @@ def test_a_stop_keeps_the_stop_steps_row_and_validates_nothing(tmp_path, signame
     assert [int(row["step"]) for row in rows] == [1, 2]  # Lightning numbers a row by the steps before it
     assert Logged.validated == 0
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_default_bounds_the_work_a_kill_loses_by_steps_and_by_time():
+    """README, "Long runs": a kill -9 loses at most 100 steps or 30 minutes with the defaults."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from parallama import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("train")
+    node = cfg.callbacks.last_checkpoint
+    assert (node.every_n_train_steps, instantiate(node.train_time_interval)) == (100, timedelta(minutes=30))

@@ -50,7 +50,7 @@ def _betas(value) -> bool:
 
 
 def _duration(value) -> bool:  # a `_target_` node Hydra builds (datetime.timedelta)
-    return value is None or (isinstance(value, DictConfig) and "_target_" in value)
+    return value is None or (isinstance(value, (DictConfig, dict)) and "_target_" in value)
 
 
 POSITIVE, COUNT = Rule(int, 1), Rule(int, 0)
@@ -211,7 +211,8 @@ class LastCheckpoint:
     dirpath: str = key("${paths.output_dir}/checkpoints")
     every_n_train_steps: int | None = key(100, SOME)
     train_time_interval: Any = key(
-        None, Check(_duration, "null or a duration, e.g. {_target_:datetime.timedelta,minutes:30}")
+        {"_target_": "datetime.timedelta", "minutes": 30},
+        Check(_duration, "null or a duration, e.g. {_target_:datetime.timedelta,minutes:30}"),
     )
 
 

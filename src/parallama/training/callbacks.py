@@ -294,15 +294,23 @@ class LastCheckpoint(Checkpoint):
             return
         n = self.every_n_train_steps
         due = bool(n) and trainer.global_step % n == 0
-        if self.time_interval is not None:  # rank 0's clock decides, so that every rank saves
+        if self.time_interval is not None and self._ask_clock(trainer):
             late = time.monotonic() - self._last_saved_at >= self.time_interval.total_seconds()
-            due = trainer.strategy.broadcast(late) or due
+            due = trainer.strategy.broadcast(late) or due  # rank 0's clock decides, so that every rank saves
         if due or ends_the_run(trainer):
             self._save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._may_save(trainer):  # e.g. stopped early by a callback
             self._save(trainer)
+
+    @staticmethod
+    def _ask_clock(trainer) -> bool:
+        """Whether this step asks rank 0's clock: every step in one process (free), else on logging steps where
+        a broadcast would wait for the GPU (as `PreemptionCheckpoint` agrees on a signal), every step on CPU."""
+        if trainer.world_size == 1 or not syncs.device_waits(trainer):
+            return True
+        return trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
 
     def _may_save(self, trainer) -> bool:
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking

@@ -43,9 +43,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         apply_derived(cfg)
     else:
         check_config(cfg)
+    from parallama.parallel.base import strategy_class
     from parallama.runtime.compat import check_internals
 
-    check_internals(deepspeed="deepspeed" in str(cfg.strategy.get("_target_", "")))
+    strategy = strategy_class(cfg.strategy)
+    check_internals(strategy.internals if strategy else ())  # and those the strategy's class relies on
     from parallama.checkpoint.resume import check_fresh_run, owning_run_dir
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)

@@ -98,10 +98,10 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
         _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
-    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
+    wandb_callbacks = continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: they read the run's id
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
     # not config entries: `callbacks=none` keeps the rows' step numbers and a fraction's meaning
-    callbacks += [StepNumbers(), AtLeastOneValBatch()]
+    callbacks += [StepNumbers(), AtLeastOneValBatch(), *wandb_callbacks]
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);

@@ -229,7 +229,7 @@ class DownstreamEval:
 
 @dataclass
 class WandbLogger:
-    conf: ClassVar[str] = "logger/wandb.yaml:logger.wandb"
+    conf: ClassVar[str] = "logger/wandb.yaml:wandb"
 
     project: str = key("parallama")
     entity: str | None = key(None)

@@ -83,7 +83,7 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         **kwargs,
     ) -> None:
-        check_arguments("strategy", self.config_keys, mixed_precision=mixed_precision)
+        check_arguments("strategy", FSDPKeys, mixed_precision=mixed_precision)
         # Lightning's own 2-D mesh ("auto": nodes x processes per node) is not used: the mesh that shards the
         # model is `Parallelism.mesh`, and the data-parallel rank is `dims`'.
         super().__init__(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import run_cli
 
@@ -118,3 +120,30 @@ def test_a_changed_search_on_an_existing_study_is_one_line(tmp_path):
         f"error: study 'lr' in {storage}: its trials ran with"
     ), out
     assert "this command has" in out and "hydra.sweeper.other_settings=true" in out
+
+
+def test_a_strategy_of_yours_gets_the_line_of_the_class_it_extends(tmp_path):
+    """Its keys are checked by the class it extends (`config_keys`), as `strategy=ddp`'s own: the same line and
+    status (more cases, in-process: tests/unit/test_bad_config.py)."""
+    (tmp_path / "mymod.py").write_text(
+        "from parallama.parallel.strategies.ddp import DDP\n\n\nclass MyDDP(DDP):\n    pass\n"
+    )
+    args = [
+        "strategy=ddp",
+        "strategy._target_=mymod.MyDDP",
+        "strategy.bucket_cap_mb=-1",
+        "trainer.accelerator=cpu",
+    ]
+    run = tmp_path / "run"
+    proc = run_cli(
+        "parallama.cli.train",
+        *args,
+        f"hydra.run.dir={run}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        check=False,
+    )
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, out[-3000:]
+    assert out == "error: strategy.bucket_cap_mb=-1 is not valid; use a number > 0"
+    assert not run.exists()

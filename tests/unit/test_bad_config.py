@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,45 @@ def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
     preflight(CONF_DIR, "train", ["logger=wandb", "logger.wandb.mode=offline"])
     monkeypatch.delenv("WANDB_MODE")
     preflight(CONF_DIR, "train", ["logger=wandb"])  # auto: offline without a key
+
+
+YOUR_STRATEGIES = """
+from parallama.parallel.strategies.ddp import DDP
+from parallama.parallel.strategies.deepspeed import DeepSpeed
+
+
+class MyDDP(DDP):
+    pass
+
+
+class MyDeepSpeed(DeepSpeed):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, yours, message",
+    [
+        (["strategy=ddp", "strategy.bucket_cap_mb=0"], "MyDDP", "strategy.bucket_cap_mb=0 is not valid"),
+        (["strategy=deepspeed", "strategy.stage=4"], "MyDeepSpeed", "strategy.stage=4 is not valid"),
+        (["strategy=deepspeed", "optimizer=muon"], "MyDeepSpeed", "optimizer=muon cannot run under"),
+        (["strategy=deepspeed", "float8=rowwise"], "MyDeepSpeed", "float8=rowwise is not supported under"),
+        (
+            ["strategy=deepspeed", "strategy.offload_optimizer=true", "optimizer._target_=torch.optim.NAdam"],
+            "MyDeepSpeed",
+            "strategy.offload_optimizer=true steps with DeepSpeed's CPU Adam",
+        ),
+    ],
+    ids=["ddp-key", "deepspeed-key", "deepspeed-muon", "deepspeed-float8", "deepspeed-offload"],
+)
+def test_a_strategy_of_yours_is_checked_as_the_class_it_extends(
+    tmp_path, monkeypatch, overrides, yours, message
+):
+    """A strategy's keys and refusals are its class's (`config_keys`, `refusal`): a subclass of yours named in
+    `strategy._target_` gets the shipped class's line (the table they replaced was keyed by the shipped names)."""
+    (tmp_path / "your_strategies.py").write_text(YOUR_STRATEGIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_strategies", raising=False)
+    shipped = refusal(overrides)
+    assert message in shipped
+    assert refusal([*overrides, f"strategy._target_=your_strategies.{yours}"]) == shipped

@@ -11,7 +11,7 @@ from parallama.runtime import compat
 
 
 def test_every_internal_is_where_compat_expects_it():
-    compat.check_internals(deepspeed=True)
+    compat.check_internals(compat.DEEPSPEED_INTERNALS)
     internals = compat.INTERNALS + compat.DEEPSPEED_INTERNALS
     assert (
         len(internals) <= 12

@@ -1,6 +1,7 @@
-"""config/schema.py states each key's type, valid values and default once (and each tool its own keys, next to it):
-each class mirrors one conf file, so a key renamed or added in the file without its field (which the old
-string-keyed table skipped silently), or a default changed in one place only, fails here."""
+"""config/schema.py states each key's type, valid values and default once (each tool its own keys, next to it, and
+each strategy its own, on its class: `config_keys`): each class mirrors one conf file, so a key renamed or added
+in the file without its field (which the old string-keyed table skipped silently), or a default changed in one
+place only, fails here."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from parallama.cli.evaluate import Evaluate
 from parallama.cli.generate import Generate
 from parallama.cli.plan import Plan
 from parallama.cli.prepare import Prepare
-from parallama.config.schema import SCHEMA, ModelParallel, train_rules
-from parallama.rules import rules
+from parallama.config.schema import SCHEMA, train_rules
+from parallama.parallel.plan import declared_strategies
+from parallama.rules import check_keys, rules
 
 TOOLS = [Convert, Evaluate, Generate, Plan, Prepare]  # each tool's own keys, declared next to it
 TRAIN = {
     cls for schema in SCHEMA.values() for cls in (schema.values() if isinstance(schema, dict) else [schema])
 }
-CLASSES = sorted(TRAIN, key=lambda cls: cls.__name__) + TOOLS
+SHIPPED_STRATEGIES = declared_strategies([CONF_DIR])  # conf/strategy/<name>.yaml -> its class
+STRATEGY_KEYS = {cls.config_keys for cls in SHIPPED_STRATEGIES.values() if cls.config_keys is not None}
+CLASSES = sorted(TRAIN | STRATEGY_KEYS, key=lambda cls: cls.__name__) + TOOLS
 
 
 def conf_node(conf: str, fields_of: type | None = None) -> dict:
@@ -59,12 +63,14 @@ def test_the_variants_of_a_group_use_their_class_s_keys():
     """fineweb is hub's keys at FineWeb's values; ddp_sharded and ddp_spawn take some of ddp's."""
     hub = SCHEMA["data.source"]["parallama.data.sources.hub"]
     assert conf_node("data/source/fineweb.yaml").keys() == defaults(hub).keys()
-    ddp = SCHEMA["strategy"]["parallama.parallel.strategies.ddp.DDP"]
+    ddp = SHIPPED_STRATEGIES["ddp"].config_keys
     for option in ("ddp_sharded", "ddp_spawn"):
+        assert SHIPPED_STRATEGIES[option].config_keys is ddp  # inherited from DDP
         assert conf_node(f"strategy/{option}.yaml").keys() <= defaults(ddp).keys()
-    routed = {f"strategy/{cls.conf.split('/')[-1]}" for cls in SCHEMA["strategy"].values()}
+    mirrored = {keys.conf for keys in STRATEGY_KEYS}
     shipped = {f"strategy/{p.name}" for p in (CONF_DIR / "strategy").glob("*.yaml")}
-    assert shipped - routed == {"strategy/auto.yaml", "strategy/ddp_sharded.yaml", "strategy/ddp_spawn.yaml"}
+    assert shipped - mirrored == {f"strategy/{name}.yaml" for name in ("auto", "ddp_sharded", "ddp_spawn")}
+    assert "auto" not in SHIPPED_STRATEGIES  # a function (SingleDevice or DDP): its keys are the trainer's
 
 
 def test_a_default_is_valid_by_its_own_rule():
@@ -81,11 +87,11 @@ def test_the_tools_read_their_rules_from_it():
     prepare = train_rules("seed", "data.", "tokenizer.")
     assert {"seed", "data.seq_len", "data.source.corpus", "tokenizer.vocab_size"} <= prepare.keys()
     assert not any(k.startswith("strategy.") for k in prepare)
-    assert train_rules("strategy.tp")["strategy.tp"] is rules(ModelParallel)["tp"]
+    assert train_rules("strategy.") == {}  # a strategy's rules are its class's (`config_keys`)
 
 
 def test_a_class_built_from_python_checks_its_arguments_by_the_same_rule():
-    """The data module and the FSDP strategy check their arguments by the schema's rules, not rules of their own."""
+    """The data module and the FSDP strategy check their arguments by their config's rules, not rules of their own."""
     from parallama.errors import ConfigError
     from parallama.parallel.strategies.fsdp import FSDP2
 
@@ -115,7 +121,10 @@ def test_every_shipped_option_is_valid_by_the_schema(option):
     from hydra import compose, initialize_config_dir
 
     from parallama.config.schema import check_schema
+    from parallama.parallel.base import strategy_class
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=option.split())
     check_schema(cfg)
+    if (strategy := strategy_class(cfg.strategy)) is not None:
+        check_keys(cfg, strategy.config_keys, "strategy")

@@ -23,12 +23,13 @@ from parallama.config.schema import check_schema
 from parallama.distributed.dims import uses_gpu
 from parallama.errors import ConfigError
 from parallama.parallel.layout_checks import check_layout
+from parallama.rules import check_keys
 from parallama.training.wandb_env import wandb_api_key_configured
 
 
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
-    """`hardware=False` leaves out what depends on this machine (GPUs, cores) and importing every `_target_`: for
-    `--cfg`, which only prints."""
+    """`hardware=False` leaves out what depends on this machine (GPUs, cores) and importing the `_target_`s that
+    are neither the recipe's parts nor the strategy: for `--cfg`, which only prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
     _check_trainer_keys(cfg.trainer)
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
@@ -210,11 +211,6 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
             f"trainer.inference_mode=true cannot run float8={recipe} (torchao's float8 linears fail under "
             "torch.inference_mode); use trainer.inference_mode=false (the default) or float8=null"
         )
-    if "DeepSpeed" in str(cfg.strategy.get("_target_", "")):
-        raise ConfigError(
-            f"float8={recipe} is not supported under strategy=deepspeed (its partitioning of torchao's Float8Linear "
-            "is untested); use strategy=fsdp, model_parallel, ddp or auto, or float8=null"
-        )
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     fields["vocab_size"] = fields.get("vocab_size") or 64  # the head is not converted: any size does
     model, _ = model_spec(fields).shapes(fields)
@@ -232,22 +228,13 @@ def _check_model_shape(model: DictConfig) -> None:
 
 def _check_recipe(cfg: DictConfig) -> None:
     """The optimizer, schedule and loss build, each checking its own keys (training/optim.py, schedules.py,
-    loss.py); the cross-key rules here."""
+    loss.py), and the strategy says what it cannot run with them; the cross-key rules here."""
     from parallama.config.parts import instantiate_part
-    from parallama.parallel.strategies.deepspeed import offload_refusal
     from parallama.training.optim import check_optimizer
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     factory = check_optimizer(optimizer)
-    strategy = cfg.strategy
-    if strategy.get("offload_optimizer") and (message := offload_refusal(factory.func)):
-        raise ConfigError(message)
-    deepspeed = str(strategy.get("_target_")).startswith("parallama.parallel.strategies.deepspeed.")
-    if getattr(factory.func, "takes_hidden_matrices", False) and deepspeed:
-        raise ConfigError(  # DeepSpeed's ZeRO flattens and partitions the matrices Muon orthogonalizes whole
-            "optimizer=muon cannot run under strategy=deepspeed (ZeRO partitions the matrices Muon needs whole); "
-            "use strategy=fsdp, ddp, ddp_sharded or model_parallel, or optimizer=adamw"
-        )
+    _check_strategy_rules(cfg, factory.func)
     schedule = instantiate_part(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler")
     warmup = getattr(schedule, "warmup_steps", "auto")
     max_steps = cfg.trainer.get("max_steps", -1)
@@ -259,6 +246,20 @@ def _check_recipe(cfg: DictConfig) -> None:
     instantiate_part(OmegaConf.to_container(cfg.loss, resolve=True), "loss")
     if (target := OmegaConf.select(cfg, "module._target_")) != DEFAULT_MODULE:
         _check_module(target)
+
+
+def _check_strategy_rules(cfg: DictConfig, optimizer: type) -> None:
+    """The strategy's keys and refusals, asked of the class `strategy._target_` names (parallel/strategies/:
+    `config_keys`, `refusal`), so that a subclass of yours is checked as the one it extends."""
+    from parallama.parallel.base import strategy_class
+
+    strategy = strategy_class(cfg.strategy)
+    if strategy is None:
+        return
+    if strategy.config_keys is not None:
+        check_keys(cfg, strategy.config_keys, "strategy")
+    if (line := strategy.refusal(cfg, optimizer)) is not None:
+        raise ConfigError(line)
 
 
 def _check_targets(cfg: DictConfig) -> None:

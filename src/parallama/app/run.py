@@ -43,9 +43,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         apply_derived(cfg)
     else:
         check_config(cfg)
+    from parallama.parallel.base import strategy_class
     from parallama.runtime.compat import check_internals
 
-    check_internals(deepspeed="deepspeed" in str(cfg.strategy.get("_target_", "")))
+    strategy = strategy_class(cfg.strategy)
+    check_internals(strategy.internals if strategy else ())  # and those the strategy's class relies on
     from parallama.checkpoint.resume import check_fresh_run, owning_run_dir
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
@@ -96,10 +98,10 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
         _recursive_=False,  # the recipe's parts stay configs: the module builds them (and checkpoints keep them)
     )
     module.tokenizer_json = datamodule.tokenizer.to_str()
-    continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: resume the checkpoint's W&B run
+    wandb_callbacks = continue_wandb_run(cfg, ckpt_path)  # before the loggers exist: they read the run's id
     loggers, callbacks = instantiate_dict(cfg.get("logger")), instantiate_dict(cfg.get("callbacks"))
     # not config entries: `callbacks=none` keeps the rows' step numbers and a fraction's meaning
-    callbacks += [StepNumbers(), AtLeastOneValBatch()]
+    callbacks += [StepNumbers(), AtLeastOneValBatch(), *wandb_callbacks]
     if not loggers:  # LearningRateMonitor refuses a Trainer without loggers, and would have nothing to log to
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # Single-file checkpoints written atomically beside their target and read weights-only (checkpoint/atomic.py);

@@ -123,7 +123,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             notes.append(f"{name}: no layout of {nodes} x {per_node} GPUs fits")
             continue
         layouts[name], searched[name] = layout, next(c for c in levels if how(c) is with_ckpt)
-    if cfg.strategy.get("_target_", "").endswith(".ModelParallel"):
+    if _is_model_parallel(cfg.strategy):
         from parallama.parallel.layout_checks import check_layout
 
         check_layout(cfg, on_gpu=True)  # as parallama-train refuses it (e.g. ep not dividing num_experts)
@@ -169,6 +169,15 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             )
             result["recommendation"]["why"] += f": {layout.describe()}"
     return result
+
+
+def _is_model_parallel(strategy: DictConfig) -> bool:
+    """Whether the configured strategy is model_parallel's class or a subclass of it (its keys give a layout)."""
+    from parallama.parallel.base import strategy_class
+    from parallama.parallel.strategies.model_parallel import ModelParallel
+
+    configured = strategy_class(strategy)
+    return configured is not None and issubclass(configured, ModelParallel)
 
 
 def configured_layout(cfg) -> Layout:

@@ -3,9 +3,11 @@
 A dataclass per config node (`SCHEMA`: where it applies, by path or, for a group whose options are different
 classes, by the node's `_target_`), a field per key: `key(default, Rule(...))`. `check_schema` checks a composed
 config against it before any work (`checks.check_config`), each bad value one line naming the key and what is
-valid; a key the config does not have is not checked (a strategy's keys only under that strategy). Each class
-mirrors one conf file (`conf`): tests/unit/test_config_schema.py holds every field's default equal to that
-file's value and every key of the file to a field, so a renamed or new key cannot go unchecked.
+valid; a key the config does not have is not checked. Each class mirrors one conf file (`conf`):
+tests/unit/test_config_schema.py holds every field's default equal to that file's value and every key of the
+file to a field, so a renamed or new key cannot go unchecked. A strategy's keys are not here: its class declares
+them (`Parallelism.config_keys`, parallel/strategies/, dataclasses of the same kind), and `checks` asks the class
+that `strategy._target_` names, so a subclass of yours is checked as the shipped one.
 
 What relates several keys (a batch that divides, a layout that fits the devices) is in `checks`; a model's
 fields are checked by its family's config class; the optimizer, schedule and loss check their own keywords.
@@ -18,7 +20,6 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from parallama.distributed.dims import DP_SIZE, SIZE
 from parallama.distributed.options import (
     AC_MODES,
     AC_POLICY_RULES,
@@ -26,7 +27,6 @@ from parallama.distributed.options import (
     FLOAT8_FILTERS,
     FLOAT8_RECIPES,
 )
-from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
 from parallama.rules import Check, Rule, check_value, key, rules
 
 
@@ -230,7 +230,7 @@ class DownstreamEval:
 
 @dataclass
 class WandbLogger:
-    conf: ClassVar[str] = "logger/wandb.yaml:logger.wandb"
+    conf: ClassVar[str] = "logger/wandb.yaml:wandb"
 
     project: str = key("parallama")
     entity: str | None = key(None)
@@ -243,59 +243,6 @@ class WandbLogger:
     log_model: bool | str = key(False, Rule(bool, allow=("all",)))
 
 
-BACKEND = Rule(str, choices=("nccl", "gloo"), allow=(None,))
-
-
-@dataclass
-class DDP:
-    conf: ClassVar[str] = "strategy/ddp.yaml"  # ddp_sharded.yaml and ddp_spawn.yaml: some of its keys
-
-    process_group_backend: str | None = key(None, BACKEND)
-    find_unused_parameters: bool = key(False, BOOL)
-    gradient_as_bucket_view: bool = key(True, BOOL)
-    static_graph: bool = key(False, BOOL)
-    bucket_cap_mb: float = key(25, Rule(float, 0, open="low"))
-
-
-@dataclass
-class DeepSpeed:
-    conf: ClassVar[str] = "strategy/deepspeed.yaml"
-
-    stage: int = key(2, Rule(int, choices=(1, 2, 3)))
-    offload_optimizer: bool = key(False, BOOL)
-    offload_parameters: bool = key(False, BOOL)
-    process_group_backend: str | None = key(None, BACKEND)
-    logging_batch_size_per_gpu: int = key("${data.batch_size}")
-
-
-@dataclass
-class FSDP:
-    conf: ClassVar[str] = "strategy/fsdp.yaml"
-
-    reshard_after_forward: bool = key(True, BOOL)
-    mixed_precision: str | None = key(None, Rule(str, choices=("bf16", "fp16"), allow=(None,)))
-    cpu_offload: bool = key(False, BOOL)
-    meta_init: bool = key(False, BOOL)
-    save_distributed_checkpoint: bool = key(True, BOOL)
-
-
-@dataclass
-class ModelParallel(FSDP):
-    conf: ClassVar[str] = "strategy/model_parallel.yaml"
-
-    dp_replicate: int = key(1, DP_SIZE)
-    dp_shard: int = key(-1, DP_SIZE)
-    tp: int = key(1, SIZE)
-    pp: int = key(1, SIZE)
-    cp: int = key(1, SIZE)
-    ep: int = key(1, SIZE)  # expert parallelism: ranks borrowed from dp_shard (distributed/dims.py)
-    sequence_parallel: bool = key(False, BOOL)
-    pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
-    pp_microbatches: int | None = key(None, SOME)
-    pp_stages_per_rank: int | None = key(None, SOME)
-
-
-STRATEGIES = "parallama.parallel.strategies."
 # Where each class applies: a node by its path, or (a group whose options are different classes) a node at that
 # path whose `_target_` names the option.
 SCHEMA: dict[str, type | dict[str, type]] = {
@@ -314,14 +261,6 @@ SCHEMA: dict[str, type | dict[str, type]] = {
     "callbacks.last_checkpoint": LastCheckpoint,
     "callbacks.downstream_eval": DownstreamEval,
     "logger.wandb": WandbLogger,
-    "strategy": {
-        f"{STRATEGIES}ddp.DDP": DDP,
-        f"{STRATEGIES}ddp.ShardedDDP": DDP,
-        f"{STRATEGIES}ddp.DDPSpawn": DDP,
-        f"{STRATEGIES}deepspeed.DeepSpeed": DeepSpeed,
-        f"{STRATEGIES}fsdp.FSDP2": FSDP,
-        f"{STRATEGIES}model_parallel.ModelParallel": ModelParallel,
-    },
 }
 
 

@@ -1,6 +1,10 @@
 """What parallama asks of a strategy, in one class that every strategy of the `strategy` group mixes in.
 
 A strategy class declares:
+- `config_keys` and `refusal`: its keys' types, valid values and defaults (a dataclass of `rules.key` fields
+  mirroring its conf file) and what it cannot run (a config's other keys, the optimizer), checked before any work
+  (app/checks.py finds the class by `strategy._target_` and asks it, so a subclass of yours inherits both), and
+  `internals`: the private ones of runtime/compat.py it relies on, checked before training;
 - `name` and `memory_profiles`: what parallama-plan estimates for it (`parallel.plan.MemoryProfile`);
 - `layout()`: how its ranks split into the dimensions of `parallel.dims.ParallelDims`. The data-parallel rank
   and size (what the data module shards by, what tokens-seen and throughput count) come from `dims`, never
@@ -24,13 +28,16 @@ from typing import ClassVar
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from omegaconf import DictConfig
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
 from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import Float8Options, ParallelizeOptions
+from parallama.rules import Rule
 
 log = logging.getLogger("parallama")
+PROCESS_GROUP_BACKEND = Rule(str, choices=("nccl", "gloo"), allow=(None,))  # null: nccl on GPU, gloo on CPU
 
 
 class Parallelism:
@@ -40,9 +47,17 @@ class Parallelism:
     checkpoint_format: ClassVar[str] = "file"
     memory_profiles: ClassVar[tuple] = ()  # parallel.plan.MemoryProfile
     reruns_the_command: ClassVar[bool] = True  # its ranks run this job's command (not spawned by Lightning)
+    config_keys: ClassVar[type | None] = None  # the dataclass of its `strategy.<key>`s (None: none checked)
+    internals: ClassVar[tuple] = ()  # runtime.compat.Internal: the private ones it relies on
     _universal_loaded = False
     float8: str | None = None  # `float8` of conf/train.yaml (distributed/float8.py), set by parallama-train
     float8_filter: str = "auto"  # `float8_filter`: which block linears it converts
+
+    @classmethod
+    def refusal(cls, cfg: DictConfig, optimizer: type) -> str | None:
+        """Why this strategy cannot run the composed training config `cfg` with the optimizer class it builds
+        (one line), or None. Asked before any work; the default runs anything."""
+        return None
 
     # --- the device mesh --------------------------------------------------------------------------------
 
@@ -192,6 +207,19 @@ class Parallelism:
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if not self._universal_loaded:
             super().load_optimizer_state_dict(checkpoint)
+
+
+def strategy_class(strategy: DictConfig) -> type[Parallelism] | None:
+    """The Parallelism class a `strategy` config node names by `_target_`: what declares its keys and refusals.
+    None for a factory function (`auto`) or a Lightning strategy of the user's own; one line if it does not
+    import."""
+    from parallama.config.parts import locate_target
+
+    target = strategy.get("_target_")
+    if not target:
+        return None
+    found = locate_target(target, "strategy._target_")
+    return found if isinstance(found, type) and issubclass(found, Parallelism) else None
 
 
 class OutsideATrainer(Parallelism):

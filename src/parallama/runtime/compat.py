@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -187,9 +188,10 @@ def source_digest(obj) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:8]
 
 
-def check_internals(deepspeed: bool = False) -> None:
-    """One line if an installed library lacks (or changed) an internal parallama relies on (see INTERNALS)."""
-    for internal in INTERNALS + (DEEPSPEED_INTERNALS if deepspeed else []):
+def check_internals(strategy_internals: Sequence[Internal] = ()) -> None:
+    """One line if an installed library lacks (or changed) an internal parallama relies on (see INTERNALS), or
+    one the run's strategy relies on (its class's `internals`: DeepSpeed's DEEPSPEED_INTERNALS)."""
+    for internal in [*INTERNALS, *strategy_internals]:
         if (what := _missing(internal)) is not None:
             package = internal.package
             raise ConfigError(

@@ -3,7 +3,8 @@ with an API key, offline (synced later) without one.
 
 Without a W&B key W&B fails at start-up and, under ddp, the other ranks then die on a closed socket; so `mode: auto`
 picks offline mode unless a key is configured (WANDB_API_KEY, or `wandb login`'s netrc entry).
-Checkpoints store the W&B run id (`WandbRunId`); a run resumed from one continues that W&B run.
+Checkpoints store the W&B run id (`WandbRunId`); a run resumed from one continues that W&B run. Both halves are
+wired here alone (`continue_wandb_run`), not in the config: any W&B logger of parallama's gets them.
 """
 
 from __future__ import annotations
@@ -203,11 +204,18 @@ class WandbRunId(L.Callback):
                 checkpoint[RUN_ID_KEY] = logger.version
 
 
-def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> None:
-    """Resuming: the W&B logger continues the run its checkpoint names (unless the logger's `id` is set)."""
-    for node in (cfg.get("logger") or {}).values():
-        if ckpt_path and node and node.get("_target_") == f"{__name__}.wandb_logger" and not node.get("id"):
-            run_id = client_state(ckpt_path).get(RUN_ID_KEY)
-            if run_id:
-                with open_dict(node):
-                    node.id = run_id
+def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> list[L.Callback]:
+    """W&B run continuation, all of it, called before the loggers are built: a W&B logger continues the run that
+    `ckpt_path` names (unless the logger's `id` is set), and the callback returned (`WandbRunId`, none without a
+    W&B logger) names this run in every checkpoint it writes."""
+    nodes = [
+        node
+        for node in (cfg.get("logger") or {}).values()
+        if node and node.get("_target_") == f"{__name__}.wandb_logger"
+    ]
+    run_id = client_state(ckpt_path).get(RUN_ID_KEY) if nodes and ckpt_path else None
+    for node in nodes:
+        if run_id and not node.get("id"):
+            with open_dict(node):
+                node.id = run_id
+    return [WandbRunId()] if nodes else []

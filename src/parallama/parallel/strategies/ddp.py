@@ -9,14 +9,29 @@ All write single-file checkpoints, with the full optimizer state (ZeroRedundancy
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from parallama.config.schema import BOOL
 from parallama.distributed.dims import processes_per_node
-from parallama.parallel.base import Parallelism
+from parallama.parallel.base import PROCESS_GROUP_BACKEND, Parallelism
 from parallama.parallel.plan import MemoryProfile
+from parallama.rules import Rule, key
+
+
+@dataclass
+class DDPKeys:
+    conf: ClassVar[str] = "strategy/ddp.yaml"  # ddp_sharded.yaml and ddp_spawn.yaml: some of its keys
+
+    process_group_backend: str | None = key(None, PROCESS_GROUP_BACKEND)
+    find_unused_parameters: bool = key(False, BOOL)
+    gradient_as_bucket_view: bool = key(True, BOOL)
+    static_graph: bool = key(False, BOOL)
+    bucket_cap_mb: float = key(25, Rule(float, 0, open="low"))
 
 
 class SingleDevice(Parallelism, SingleDeviceStrategy):
@@ -37,6 +52,7 @@ class DDP(Parallelism, DDPStrategy):
     """Lightning's DDPStrategy: a full replica per rank, gradients all-reduced in buckets during backward."""
 
     name = "ddp"
+    config_keys = DDPKeys
     memory_profiles = (MemoryProfile("ddp", "strategy=ddp", "autocast", guide="ddp"),)
 
 

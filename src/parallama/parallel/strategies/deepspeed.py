@@ -12,15 +12,20 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from omegaconf import DictConfig
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.config.schema import BOOL
 from parallama.errors import ConfigError
-from parallama.parallel.base import Parallelism
+from parallama.parallel.base import PROCESS_GROUP_BACKEND, Parallelism
 from parallama.parallel.plan import MemoryProfile
+from parallama.rules import Rule, key
 from parallama.runtime import compat
 from parallama.runtime.launch import remove_stale_build_locks
 
@@ -29,12 +34,25 @@ _DS = "strategy=deepspeed strategy.stage="
 _OFFLOAD = " strategy.offload_optimizer=true"
 
 
+@dataclass
+class DeepSpeedKeys:
+    conf: ClassVar[str] = "strategy/deepspeed.yaml"
+
+    stage: int = key(2, Rule(int, choices=(1, 2, 3)))
+    offload_optimizer: bool = key(False, BOOL)
+    offload_parameters: bool = key(False, BOOL)
+    process_group_backend: str | None = key(None, PROCESS_GROUP_BACKEND)
+    logging_batch_size_per_gpu: int = key("${data.batch_size}")
+
+
 class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy. ZeRO-1 shards the optimizer state, 2 also gradients, 3 also parameters
     (the model is then built inside `deepspeed.zero.Init`, partitioned as each module is created)."""
 
     name = "deepspeed"
     checkpoint_format = "deepspeed"
+    config_keys = DeepSpeedKeys
+    internals = tuple(compat.DEEPSPEED_INTERNALS)
     memory_profiles = (
         MemoryProfile("deepspeed_1", _DS + "1", "deepspeed", "o", guide="sharded", order=1),
         MemoryProfile("deepspeed_2", _DS + "2", "deepspeed", "go", guide="sharded", order=2),
@@ -53,6 +71,24 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
             order=2,
         ),
     )
+
+    @classmethod
+    def refusal(cls, cfg: DictConfig, optimizer: type) -> str | None:
+        """An optimizer other than Adam(W) with the optimizer offloaded (`offload_refusal`), Muon (ZeRO flattens
+        and partitions the matrices it orthogonalizes whole), float8 (untested under ZeRO's partitioning)."""
+        if cfg.strategy.get("offload_optimizer") and (message := offload_refusal(optimizer)):
+            return message
+        if getattr(optimizer, "takes_hidden_matrices", False):  # Muon's (training/muon.py)
+            return (
+                "optimizer=muon cannot run under strategy=deepspeed (ZeRO partitions the matrices Muon needs "
+                "whole); use strategy=fsdp, ddp, ddp_sharded or model_parallel, or optimizer=adamw"
+            )
+        if (recipe := cfg.get("float8")) is not None:
+            return (
+                f"float8={recipe} is not supported under strategy=deepspeed (its partitioning of torchao's "
+                "Float8Linear is untested); use strategy=fsdp, model_parallel, ddp or auto, or float8=null"
+            )
+        return None
 
     def layout(self) -> dict[str, int]:
         return {"dp_shard": -1}

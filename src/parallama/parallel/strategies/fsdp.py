@@ -6,21 +6,33 @@ is `apply_fsdp` (parallel/apply.py) over the mesh's `dp_shard` dimension.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
-from parallama.config import schema
+from parallama.config.schema import BOOL, check_arguments
 from parallama.distributed.float8 import plain_tensors
 from parallama.distributed.options import FSDPOptions, ParallelizeOptions
 from parallama.errors import ConfigError
 from parallama.parallel.base import Parallelism
 from parallama.parallel.plan import MemoryProfile
+from parallama.rules import Rule, key
 
 FSDP = "strategy=fsdp"
+
+
+@dataclass
+class FSDPKeys:
+    conf: ClassVar[str] = "strategy/fsdp.yaml"
+
+    reshard_after_forward: bool = key(True, BOOL)
+    mixed_precision: str | None = key(None, Rule(str, choices=("bf16", "fp16"), allow=(None,)))
+    cpu_offload: bool = key(False, BOOL)
+    meta_init: bool = key(False, BOOL)
+    save_distributed_checkpoint: bool = key(True, BOOL)
 
 
 class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
@@ -38,6 +50,7 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     """
 
     name = "fsdp"
+    config_keys = FSDPKeys
     memory_profiles = (
         MemoryProfile(
             "fsdp_zero2",
@@ -70,7 +83,7 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         **kwargs,
     ) -> None:
-        schema.check_arguments("strategy", schema.FSDP, mixed_precision=mixed_precision)
+        check_arguments("strategy", FSDPKeys, mixed_precision=mixed_precision)
         # Lightning's own 2-D mesh ("auto": nodes x processes per node) is not used: the mesh that shards the
         # model is `Parallelism.mesh`, and the data-parallel rank is `dims`'.
         super().__init__(

@@ -14,14 +14,34 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import replace
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
 
 import torch
 
+from parallama.config.schema import BOOL, SOME
+from parallama.distributed.dims import DP_SIZE, SIZE
+from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
 from parallama.distributed.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
 from parallama.parallel.plan import MemoryProfile
-from parallama.parallel.strategies.fsdp import FSDP2
+from parallama.parallel.strategies.fsdp import FSDP2, FSDPKeys
+from parallama.rules import Rule, key
+
+
+@dataclass
+class ModelParallelKeys(FSDPKeys):
+    conf: ClassVar[str] = "strategy/model_parallel.yaml"
+
+    dp_replicate: int = key(1, DP_SIZE)
+    dp_shard: int = key(-1, DP_SIZE)
+    tp: int = key(1, SIZE)
+    pp: int = key(1, SIZE)
+    cp: int = key(1, SIZE)
+    ep: int = key(1, SIZE)  # expert parallelism: ranks borrowed from dp_shard (distributed/dims.py)
+    sequence_parallel: bool = key(False, BOOL)
+    pp_schedule: str = key("1f1b", Rule(str, choices=tuple(PIPELINE_SCHEDULES)))
+    pp_microbatches: int | None = key(None, SOME)
+    pp_stages_per_rank: int | None = key(None, SOME)
 
 
 class ModelParallel(FSDP2):
@@ -38,6 +58,7 @@ class ModelParallel(FSDP2):
     """
 
     name = "model_parallel"
+    config_keys = ModelParallelKeys
     # parallama-plan searches its sizes (parallel/layouts.py); FSDP2's engine and working set, as strategy=fsdp
     memory_profiles = (
         MemoryProfile(

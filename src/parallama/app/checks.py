@@ -236,6 +236,7 @@ def _check_recipe(cfg: DictConfig) -> None:
     from parallama.config.parts import instantiate_part
     from parallama.parallel.strategies.deepspeed import offload_refusal
     from parallama.training.optim import check_optimizer
+    from parallama.training.schedules import check_torch_scheduler, names_torch_scheduler
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     factory = check_optimizer(optimizer)
@@ -248,14 +249,17 @@ def _check_recipe(cfg: DictConfig) -> None:
             "optimizer=muon cannot run under strategy=deepspeed (ZeRO partitions the matrices Muon needs whole); "
             "use strategy=fsdp, ddp, ddp_sharded or model_parallel, or optimizer=adamw"
         )
-    schedule = instantiate_part(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler")
-    warmup = getattr(schedule, "warmup_steps", "auto")
+    scheduler = OmegaConf.to_container(cfg.scheduler, resolve=True)
     max_steps = cfg.trainer.get("max_steps", -1)
-    if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
-            "lower it, use scheduler.warmup_steps=auto, or train longer"
-        )
+    if names_torch_scheduler(scheduler):
+        check_torch_scheduler(scheduler, max_steps)
+    else:
+        warmup = getattr(instantiate_part(scheduler, "scheduler"), "warmup_steps", "auto")
+        if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
+            raise ConfigError(
+                f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
+                "lower it, use scheduler.warmup_steps=auto, or train longer"
+            )
     instantiate_part(OmegaConf.to_container(cfg.loss, resolve=True), "loss")
     if (target := OmegaConf.select(cfg, "module._target_")) != DEFAULT_MODULE:
         _check_module(target)

@@ -205,6 +205,19 @@ def weights(ckpt) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
 
+def one_cycle_rates(steps: int, **keywords) -> list[float]:
+    """The LR torch's OneCycleLR (`keywords`: its own, besides total_steps) gives each of `steps` optimizer steps,
+    on an optimizer of its own: what a run's `lr-AdamW/pg1` must log at steps 1..steps."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, total_steps=steps, **keywords)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
 def tree_digest(folder: Path) -> dict[str, tuple[str, float]]:
     """Every file under `folder`: its content's digest and its mtime (a refused run must touch nothing)."""
     import hashlib

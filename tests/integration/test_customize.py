@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_cli
+from conftest import TINY, one_cycle_rates, run_cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "customize.md"
 FILE = re.compile(r"<!-- file: (\S+) -->\n```\w+\n(.*?)```", re.S)
@@ -29,7 +29,7 @@ REFUSED = [(tool, args, error) for tool, args, error in COMMAND.findall(DOC.read
 
 def test_the_page_has_examples():
     text = DOC.read_text()
-    assert len(FILE.findall(text)) >= 13 and len(TRAINS) >= 11 and len(REFUSED) >= 2
+    assert len(FILE.findall(text)) >= 14 and len(TRAINS) >= 13 and len(REFUSED) >= 3
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,12 @@ def test_each_command_of_the_page_trains(command, project, data_cache):
         assert any(r.get("train/grad_norm") for r in rows)
     if "Accuracy" in command:  # the validation metric: a fraction of the labelled tokens
         assert 0 <= float(next(r["val/accuracy"] for r in rows if r.get("val/accuracy"))) <= 1
+    if "MaxLoss" in command:  # the training metric on each logged step: of one step, one rank: its loss
+        logged = [(r["train/loss"], r.get("train/max_loss")) for r in rows if r.get("train/loss")]
+        assert all(max_loss and float(max_loss) == pytest.approx(float(loss)) for loss, max_loss in logged)
+    if "OneCycleLR" in command:  # the rate each step used: torch's OneCycleLR over the run's 3 steps
+        rates = [float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")]
+        assert rates == pytest.approx(one_cycle_rates(3, max_lr=1e-2), rel=1e-6)
 
 
 @pytest.mark.parametrize("tool, command, error", REFUSED, ids=[f"{t} {c}" for t, c, _ in REFUSED])

@@ -22,14 +22,29 @@ import torch.distributed.optim  # noqa: F401 - TorchScript-compiles on import: b
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from torchmetrics import MaxMetric
 
 from parallama import CONF_DIR
 from parallama.app import run
 from parallama.training import syncs
+from parallama.training.module import CausalLM
 from parallama.training.schedules import WarmupCosine
 
 STEPS, EVERY, BATCH, SEQ = 12, 5, 4, 64
 LOGGED = {5, 10, 12}  # every 5 steps and the run's last
+
+
+class WithMaxLoss(CausalLM):
+    """docs/customize.md's training metric, train/max_loss: updated every step, read on logging steps only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.train_metrics["max_loss"] = MaxMetric(nan_strategy="disable")
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.train_metrics["max_loss"].update(loss.detach())
+        return loss
 
 
 def reads_per_step(monkeypatch, tmp_path: Path, cache: Path, gpu: bool) -> tuple[dict, Path]:
@@ -84,6 +99,7 @@ def reads_per_step(monkeypatch, tmp_path: Path, cache: Path, gpu: bool) -> tuple
         "model.num_hidden_layers=2",
         "sample.max_new_tokens=0",
         "callbacks.throughput.window_size=5",
+        f"module._target_={__name__}.WithMaxLoss",
         f"paths.cache_dir={cache}",
         f"paths.output_dir={run_dir}",
         f"hydra.run.dir={run_dir}",
@@ -132,7 +148,14 @@ def test_every_metrics_csv_row_is_numbered_after_n_steps(runs, mode):
     console's `step N` and `stepNNNNNNN.ckpt`); the learning rate is the one step N used."""
     _, run_dir = runs[mode]
     table = rows(run_dir)
-    for key in ("train/loss", "train/tokens_seen", "lr-AdamW/pg1", "train/batches", "val/loss"):
+    for key in (
+        "train/loss",
+        "train/tokens_seen",
+        "lr-AdamW/pg1",
+        "train/batches",
+        "val/loss",
+        "train/max_loss",
+    ):
         steps = {int(r["step"]) for r in table if r.get(key)}
         assert steps == ({0, STEPS} if key == "val/loss" else LOGGED), (key, steps)  # val: before and after
     for r in table:
@@ -140,6 +163,8 @@ def test_every_metrics_csv_row_is_numbered_after_n_steps(runs, mode):
             assert float(r["train/tokens_seen"]) == int(r["step"]) * BATCH * SEQ
         if r.get("train/lengths"):  # tokens the throughput monitor counted
             assert float(r["train/lengths"]) == int(r["step"]) * BATCH * SEQ
+        if r.get("train/max_loss"):  # the highest loss of the steps since the last row, this row's among them
+            assert float(r["train/max_loss"]) >= float(r["train/loss"])
     schedule = WarmupCosine().lr_lambda(STEPS)  # conf/scheduler/warmup_cosine.yaml's, at optimizer.lr 3e-3
     for r in table:  # the rate step N used (the schedule's after N - 1 steps), beside step N's loss
         if r.get("lr-AdamW/pg1"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import LONG, TINY, run_cli, train, tree_digest, weights
+from conftest import LONG, TINY, one_cycle_rates, run_cli, train, tree_digest, weights
 from corruption import flip_a_tensor_byte
 
 
@@ -69,6 +70,39 @@ def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
     assert final["global_step"] == 40
     for name, tensor in expected.items():
         assert torch.equal(final["state_dict"][name], tensor), name  # bitwise: no batch repeated or skipped
+
+
+def test_a_torch_scheduler_follows_torchs_curve_and_resumes_mid_run_exactly(tmp_path, data_cache):
+    """scheduler=one_cycle (torch's OneCycleLR): its total_steps and max_lr the run's (6 steps, optimizer.lr), each
+    step at the rate torch gives it; resumed from step 4's checkpoint, steps 5 and 6 take the same rates (the
+    scheduler's state, not a new one) and end with the same weights, bitwise. Resumed into a longer run, which the
+    saved total_steps would stop at step 6, it is one line."""
+    args = ["scheduler=one_cycle", "trainer.max_steps=6", "trainer.val_check_interval=4",
+            "validate_before_training=false", "callbacks.model_checkpoint.save_top_k=-1",
+            "sample.max_new_tokens=0"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(*args, cwd=tmp_path, cache=data_cache, run_dir=straight)
+    step_4 = straight / "checkpoints" / "step0000004.ckpt"  # written at step 4's validation
+    train(*args, f"ckpt_path={step_4}", cwd=tmp_path, cache=data_cache, run_dir=resumed)
+
+    expected = one_cycle_rates(6, max_lr=3e-3, pct_start=0.3, div_factor=25.0, final_div_factor=1e4)
+    for run, steps in [(straight, range(1, 7)), (resumed, range(5, 7))]:
+        with open(run / "csv" / "metrics.csv") as f:
+            rates = {
+                int(r["step"]): float(r["lr-AdamW/pg1"]) for r in csv.DictReader(f) if r.get("lr-AdamW/pg1")
+            }
+        assert rates == pytest.approx({step: expected[step - 1] for step in steps}, rel=1e-6), run.name
+    finished = weights(resumed / "checkpoints" / "last.ckpt")
+    for name, tensor in weights(straight / "checkpoints" / "last.ckpt").items():
+        assert torch.equal(finished[name], tensor), name
+
+    longer = train(
+        *args, "trainer.max_steps=8", f"ckpt_path={step_4}", cwd=tmp_path, cache=data_cache, check=False
+    )
+    errors = [line for line in (longer.stdout + longer.stderr).splitlines() if "error:" in line]
+    assert longer.returncode == 2 and errors, longer.stderr[-3000:]
+    assert errors[0].endswith(f"error: ckpt_path={step_4} has an LR scheduler of 6 steps (its total_steps, which it "
+                              "keeps) and trainer.max_steps=8 is longer; resume with trainer.max_steps=6")  # fmt: skip
 
 
 def one_error(proc) -> str:

@@ -73,6 +73,20 @@ def test_decay_groups_and_schedule_wiring(monkeypatch):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
 
 
+def test_a_torch_scheduler_is_wired_as_the_schedules_are(monkeypatch):
+    """scheduler._target_ naming torch's OneCycleLR: built on the optimizer over the run's steps, stepped per
+    optimizer step, logged under the optimizer's name."""
+    module = tiny_module()
+    module.hparams.scheduler = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True}
+    trainer = _FakeTrainer()
+    monkeypatch.setattr(CausalLM, "trainer", property(lambda self: trainer))
+    conf = module.configure_optimizers()
+    scheduler = conf["lr_scheduler"]["scheduler"]
+    assert isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) and scheduler.total_steps == 20
+    assert conf["lr_scheduler"]["interval"] == "step" and conf["lr_scheduler"]["name"] == "lr-AdamW"
+    assert [group["max_lr"] for group in conf["optimizer"].param_groups] == [1e-3, 1e-3]  # optimizer.lr
+
+
 def test_warmup_longer_than_training_is_rejected(monkeypatch):
     module = tiny_module()
     trainer = _FakeTrainer()

@@ -40,14 +40,22 @@ def test_a_wrapper_that_hides_the_modes_is_one_line():
     assert modes_refusal(torch.optim.AdamW, [Wrapper()]) is None
 
 
+def warming_up(lr_lambda, **keywords):
+    """A schedule-free optimizer at its first step under a LambdaLR of `lr_lambda`."""
+    optimizer = schedulefree.AdamWScheduleFree([torch.nn.Parameter(torch.ones(1))], lr=3e-3, **keywords)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    return optimizer
+
+
 def test_a_warmup_on_top_of_the_optimizers_own_is_warned_about():
-    optimizer = schedulefree.AdamWScheduleFree([torch.nn.Parameter(torch.ones(1))], warmup_steps=10)
-    warming = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps=5).lr_lambda(100))
-    assert stacked_warmup(optimizer, warming) == (
+    optimizer = warming_up(WarmupCosine(warmup_steps=5).lr_lambda(100), warmup_steps=10)
+    assert stacked_warmup(optimizer, [3e-3]) == (
         "optimizer.warmup_steps=10 warms the learning rate up itself, and the scheduler warms it up again on top "
         "(its multiplier starts at 0.1): use scheduler=constant, or optimizer.warmup_steps=0"
     )
-    constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    assert stacked_warmup(optimizer, constant) is None
-    plain = schedulefree.AdamWScheduleFree([torch.nn.Parameter(torch.ones(1))])
-    assert stacked_warmup(plain, torch.optim.lr_scheduler.LambdaLR(plain, lambda step: 0.1)) is None
+    assert stacked_warmup(warming_up(lambda step: 1.0, warmup_steps=10), [3e-3]) is None
+    assert stacked_warmup(warming_up(lambda step: 0.1), [3e-3]) is None
+    # torch's OneCycleLR starts at max_lr / div_factor: a warmup too
+    one_cycle = schedulefree.AdamWScheduleFree([torch.nn.Parameter(torch.ones(1))], lr=3e-3, warmup_steps=10)
+    torch.optim.lr_scheduler.OneCycleLR(one_cycle, max_lr=3e-3, total_steps=100, cycle_momentum=False)
+    assert "(its multiplier starts at 0.04)" in stacked_warmup(one_cycle, [3e-3])

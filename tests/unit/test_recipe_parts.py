@@ -12,7 +12,7 @@ from parallama import CONF_DIR
 from parallama.app.compose import preflight
 from parallama.errors import ConfigError
 from parallama.training.loss import CrossEntropy
-from parallama.training.schedules import Constant, WarmupCosine, WarmupStableDecay
+from parallama.training.schedules import Constant, WarmupCosine, WarmupStableDecay, torch_scheduler
 
 
 def test_the_loss_is_torchs_cross_entropy_with_label_smoothing_and_z_loss():
@@ -52,6 +52,23 @@ def test_schedules(schedule, expected):
     )  # nothing of it goes into LambdaLR's checkpoint: a resume follows its config
 
 
+def test_a_torch_scheduler_takes_the_runs_length_and_peak_where_left_out():
+    def built(target: str, **keywords):
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (1e-3, 2e-3)]
+        optimizer = torch.optim.AdamW(groups)
+        config = {"_target_": f"torch.optim.lr_scheduler.{target}", **keywords}
+        return torch_scheduler(config, optimizer, 40), optimizer
+
+    one_cycle, optimizer = built("OneCycleLR")
+    assert one_cycle.total_steps == 40 and [g["max_lr"] for g in optimizer.param_groups] == [1e-3, 2e-3]
+    assert built("OneCycleLR", max_lr=5e-3, total_steps=50)[0].total_steps == 50
+    # a length of the user's, as torch counts it
+    assert built("OneCycleLR", epochs=2, steps_per_epoch=30)[0].total_steps == 60
+    assert built("CosineAnnealingLR")[0].T_max == 40
+    assert built("LinearLR", total_iters=5)[0].total_iters == 5
+    assert built("StepLR", step_size=10)[0].step_size == 10  # no length to fill
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -89,6 +106,27 @@ def test_schedules(schedule, expected):
             ["scheduler=constant", "+scheduler.min_lr_ratio=0.1"],
             r"^scheduler._target_=.*Constant: .*min_lr_ratio",
         ),
+        (  # the default schedule's keys, left beside torch's class
+            ["scheduler._target_=torch.optim.lr_scheduler.OneCycleLR"],
+            r"^scheduler.warmup_steps is not a keyword of torch.optim.lr_scheduler.OneCycleLR \(nor "
+            r"scheduler.warmup_start_factor, scheduler.min_lr_ratio\); drop it, or give the class its own keys",
+        ),
+        (
+            ["scheduler=one_cycle", "scheduler.pct_start=2"],
+            r"^scheduler.pct_start=2: Expected float between 0 and 1 pct_start, but got 2$",
+        ),
+        (
+            ["scheduler=one_cycle", "+scheduler.total_steps=10", "trainer.max_steps=20"],
+            r"^scheduler.total_steps=10 is below trainer.max_steps=20; leave it out",
+        ),
+        (  # torch's own words, naming no key alone
+            ["scheduler=one_cycle", "+scheduler.max_lr=fast"],
+            r"^scheduler._target_=torch.optim.lr_scheduler.OneCycleLR: unsupported operand type",
+        ),
+        (
+            ["~scheduler", "+scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"],
+            r"^scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau steps on a metric",
+        ),
         (["loss.z_loss=-1"], r"^loss.z_loss=-1 is not valid; use a number >= 0$"),
         (["loss.label_smoothing=1"], r"^loss.label_smoothing=1 is not valid; use a number in \[0, 1\)$"),
         (
@@ -117,6 +155,12 @@ def test_a_bad_part_is_one_line_before_work(overrides, message):
         ],  # fused=null is parallama's choice: none where a class has none
         ["scheduler=wsd"],
         ["scheduler=constant"],
+        ["scheduler=one_cycle", "optimizer=muon"],
+        [
+            "~scheduler",
+            "+scheduler._target_=torch.optim.lr_scheduler.CosineAnnealingLR",
+            "+scheduler.eta_min=1e-5",
+        ],
         ["optimizer=muon"],
         ["optimizer=muon", "strategy=ddp_sharded"],
     ],

@@ -231,18 +231,22 @@ def _check_recipe(cfg: DictConfig) -> None:
     loss.py), and the strategy says what it cannot run with them; the cross-key rules here."""
     from parallama.config.parts import instantiate_part
     from parallama.training.optim import check_optimizer
+    from parallama.training.schedules import check_torch_scheduler, names_torch_scheduler
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     factory = check_optimizer(optimizer)
     _check_strategy_rules(cfg, factory.func)
-    schedule = instantiate_part(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler")
-    warmup = getattr(schedule, "warmup_steps", "auto")
+    scheduler = OmegaConf.to_container(cfg.scheduler, resolve=True)
     max_steps = cfg.trainer.get("max_steps", -1)
-    if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
-            "lower it, use scheduler.warmup_steps=auto, or train longer"
-        )
+    if names_torch_scheduler(scheduler):
+        check_torch_scheduler(scheduler, max_steps)
+    else:
+        warmup = getattr(instantiate_part(scheduler, "scheduler"), "warmup_steps", "auto")
+        if warmup != "auto" and max_steps is not None and max_steps > 0 and warmup >= max_steps:
+            raise ConfigError(
+                f"scheduler.warmup_steps={warmup} is not below trainer.max_steps={max_steps}; "
+                "lower it, use scheduler.warmup_steps=auto, or train longer"
+            )
     instantiate_part(OmegaConf.to_container(cfg.loss, resolve=True), "loss")
     if (target := OmegaConf.select(cfg, "module._target_")) != DEFAULT_MODULE:
         _check_module(target)

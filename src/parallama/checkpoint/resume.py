@@ -207,6 +207,13 @@ def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> Non
             f"ckpt_path={ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is left to "
             f"train; raise trainer.max_steps to continue the run"
         )
+    for scheduler in state.get("lr_schedulers") or []:  # a torch scheduler resumes with its saved length
+        length = scheduler.get("total_steps")
+        if 0 < max_steps and isinstance(length, int) and length < max_steps:
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} has an LR scheduler of {length} steps (its total_steps, which it keeps) and "
+                f"trainer.max_steps={max_steps} is longer; resume with trainer.max_steps={length}"
+            )
     saved_data = state.get(type(datamodule).__name__)
     if saved_data:  # the data-parallel size and batch size may change: the data position is a global sample
         datamodule.check_resume(saved_data, source=f"ckpt_path={ckpt_path}")

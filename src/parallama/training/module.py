@@ -31,6 +31,7 @@ from parallama.training.optim import (
     stacked_warmup,
     with_fused_default,
 )
+from parallama.training.schedules import names_torch_scheduler, torch_scheduler
 
 log = logging.getLogger("parallama")
 
@@ -67,6 +68,8 @@ class CausalLM(L.LightningModule):
         self.val_loss = MeanMetric()  # the cross-entropy alone: val/loss, val/ppl
         # the loss's other terms (z-loss, label smoothing's, a subclass's own), each logged as val/<name>
         self.val_terms = torch.nn.ModuleDict({name: MeanMetric() for name in term_names(self.loss_fn)[1:]})
+        # a subclass's training metrics (torchmetrics), each logged as train/<name> (`on_before_optimizer_step`)
+        self.train_metrics = torch.nn.ModuleDict()
         self.tokens_seen = 0  # global count, restored on resume
         self.data_parallel_size = (
             1  # the replicas a step trains on (tokens seen count them), set when fit starts
@@ -256,6 +259,16 @@ class CausalLM(L.LightningModule):
         """An optimizer with modes trains in train mode, from its batches' forward passes to its step."""
         set_modes(self.trainer.optimizers, train=True)
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Each of `train_metrics` logged as train/<name> on the steps whose row Lightning writes (training/syncs.py):
+        computed over the batches since the last such row, synced over the ranks by torchmetrics, then reset. The
+        steps between only update it, which reads nothing from the device (docs/customize.md)."""
+        if not self.train_metrics or not syncs.logging_step(self.trainer, self.global_step + 1):
+            return
+        for name, metric in self.train_metrics.items():
+            self.log(f"train/{name}", metric.compute())
+            metric.reset()
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Lightning's hook: parallama's strategies clip (their gradients may be DTensors on several meshes, or a
         pipeline's stages on other ranks); under a Lightning strategy of its own (bench/, notebooks) Lightning
@@ -299,9 +312,12 @@ class CausalLM(L.LightningModule):
 
     def _apply_configured_lr(self) -> None:
         """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks
-        for (each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's)."""
+        for (each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's). Not for a torch scheduler of the
+        config (OneCycleLR...), which goes on as torch saved it."""
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                continue
             lrs = self.configured_lrs
             if list(scheduler.base_lrs) == lrs:
                 continue
@@ -353,14 +369,17 @@ class CausalLM(L.LightningModule):
         self.configured_lrs = [group["lr"] for group in optimizer.param_groups]
         self.optimizer_class = factory.func
 
-        schedule = instantiate_part(self.hparams.scheduler, "scheduler")
-        # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
-        # few steps say nothing about the schedule, so they take `auto` instead of refusing the preset's warmup.
-        if self.trainer.fast_dev_run and hasattr(schedule, "warmup_steps"):
-            schedule = replace(schedule, warmup_steps="auto")
         total = int(self.trainer.estimated_stepping_batches)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
-        if (note := stacked_warmup(optimizer, scheduler)) and self.global_rank == 0:
+        if names_torch_scheduler(self.hparams.scheduler):  # torch's own (OneCycleLR...), its length the run's
+            scheduler = torch_scheduler(self.hparams.scheduler, optimizer, total)
+        else:
+            schedule = instantiate_part(self.hparams.scheduler, "scheduler")
+            # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
+            # few steps say nothing about the schedule, so they take `auto` instead of refusing the preset's warmup.
+            if self.trainer.fast_dev_run and hasattr(schedule, "warmup_steps"):
+                schedule = replace(schedule, warmup_steps="auto")
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
+        if (note := stacked_warmup(optimizer, self.configured_lrs)) and self.global_rank == 0:
             log.warning(note)
         # An explicit name (the configured class's) keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms)
         # the same under every strategy; LearningRateMonitor would otherwise use the wrapper's class

@@ -102,11 +102,12 @@ def modes_refusal(optimizer_class: type, optimizers) -> str | None:
     )
 
 
-def stacked_warmup(optimizer, scheduler) -> str | None:
+def stacked_warmup(optimizer, peak_lrs: list[float]) -> str | None:
     """The warning for a schedule that warms the learning rate up on top of the optimizer's own warmup (a
-    schedule-free optimizer's `warmup_steps`): the first steps would take the product of both."""
+    schedule-free optimizer's `warmup_steps`): the first steps would take the product of both. Read once the
+    scheduler has set the first step's LR, as a share of the configured one (`peak_lrs`, one per group)."""
     own = max((group.get("warmup_steps") or 0 for group in optimizer.param_groups), default=0)
-    first = scheduler.lr_lambdas[0](0)
+    first = optimizer.param_groups[0]["lr"] / peak_lrs[0]
     if not own or first >= 1:
         return None
     return (

@@ -4,16 +4,27 @@
 
 The multiplier is a `functools.partial` of a plain function: LambdaLR's checkpoint then stores nothing of it, so a
 resumed run follows its own config's schedule (e.g. a longer `trainer.max_steps`), not the checkpoint's.
+
+`scheduler._target_` may also name one of torch's own schedulers (`torch.optim.lr_scheduler.OneCycleLR`,
+conf/scheduler/one_cycle.yaml), or an `LRScheduler` subclass of yours: `torch_scheduler` builds it on the optimizer,
+what the run knows filled in. It resumes as torch saved it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from parallama.config.parts import instantiate_part, locate_target
 from parallama.errors import ConfigError
+from parallama.rules import show
 
 AUTO_WARMUP_STEPS, AUTO_WARMUP_FRACTION = 60, 0.2
 
@@ -140,4 +151,74 @@ class Constant:
             total_steps=steps,
             start_factor=self.warmup_start_factor,
             min_ratio=1.0,
+        )
+
+
+# --- torch's own schedulers ----------------------------------------------------------------------------------
+
+# A scheduler's length in optimizer steps: OneCycleLR's, CosineAnnealingLR's, LinearLR's (ConstantLR's...)
+LENGTH_KEYWORDS = ("total_steps", "T_max", "total_iters")
+
+
+def names_torch_scheduler(config: Mapping) -> bool:
+    """Whether `scheduler._target_` names a torch `LRScheduler` (torch's or yours) rather than a schedule with
+    `lr_lambda`."""
+    target = config.get("_target_")
+    cls = locate_target(target, "scheduler._target_") if isinstance(target, str) else None
+    return isinstance(cls, type) and issubclass(cls, LRScheduler)
+
+
+def torch_scheduler(config: Mapping, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+    """The scheduler `config` names, called with `optimizer` and its keywords, for a run of `total_steps` optimizer
+    steps. What it leaves out the run fills in: its length (`LENGTH_KEYWORDS`, unless OneCycleLR's `epochs` sets
+    it) is the run's steps, a `max_lr` each group's configured LR (`optimizer.lr` stays the peak). A keyword the class
+    does not take, or a value the class refuses, is one line naming the key."""
+    factory = instantiate_part(config, "scheduler", _partial_=True)
+    cls, keywords = factory.func, dict(factory.keywords)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if issubclass(cls, ReduceLROnPlateau):
+        raise ConfigError(
+            f"scheduler._target_={name} steps on a metric, not on optimizer steps; use a schedule of steps "
+            "(conf/scheduler/)"
+        )
+    parameters = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if unknown := [] if takes_any else [f"scheduler.{key}" for key in keywords if key not in parameters]:
+        others = f" (nor {', '.join(unknown[1:])})" if unknown[1:] else ""
+        raise ConfigError(  # the keys of the schedule it replaced, as often as not: start from none
+            f"{unknown[0]} is not a keyword of {name}{others}; drop it, or give the class its own keys alone: "
+            f"'~scheduler' +scheduler._target_={name} +scheduler.<keyword>=... "
+            "(or a yaml: conf/scheduler/one_cycle.yaml)"
+        )
+    length = next((key for key in LENGTH_KEYWORDS if key in parameters), None)
+    if length and not keywords.keys() & {*LENGTH_KEYWORDS, "epochs"}:
+        keywords[length] = total_steps
+    if "max_lr" in parameters and "max_lr" not in keywords:
+        keywords["max_lr"] = [group["lr"] for group in optimizer.param_groups]
+    try:
+        return cls(optimizer, **keywords)
+    except (TypeError, ValueError) as err:  # a value the class refuses, in its own words
+        reason = " ".join(str(err).split())
+        named = [key for key in keywords if re.search(rf"\b{re.escape(key)}\b", reason)]
+        if len(named) == 1:
+            raise ConfigError(f"scheduler.{named[0]}={show(keywords[named[0]])}: {reason}") from None
+        raise ConfigError(f"scheduler._target_={name}: {reason}") from None
+
+
+def check_torch_scheduler(config: Mapping, max_steps: int | None) -> None:
+    """Before any work: `torch_scheduler` on a stand-in optimizer, with one parameter group or as many as a list
+    of the config has values (`max_lr: [...]`, one per group), for a run of `max_steps` (1 where the run counts
+    epochs: its steps are known once the data is); then a `total_steps` shorter than the run, at whose end
+    OneCycleLR would stop it."""
+    steps = max_steps if max_steps and max_steps > 0 else 1
+    groups = max((len(value) for value in config.values() if isinstance(value, list)), default=1)
+    stand_in = torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=1.0, momentum=0.9
+    )
+    torch_scheduler(config, stand_in, steps)
+    given = config.get("total_steps")
+    if isinstance(given, int) and not isinstance(given, bool) and given < steps:
+        raise ConfigError(
+            f"scheduler.total_steps={given} is below trainer.max_steps={max_steps}; leave it out to schedule over "
+            "the run"
         )

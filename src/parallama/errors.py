@@ -37,7 +37,7 @@ class Preempted(Exception):
 
 def exit_status(err: BaseException) -> tuple[int | None, str]:
     """(status, line) for an error the user can act on; (None, "") for anything else."""
-    import hydra
+    import hydra  # start-up time (hydra)
 
     if isinstance(err, (ConfigError, FileNotFoundError)):
         return EXIT_BAD_INPUT, f"error: {one_line(str(err))}"
@@ -62,7 +62,7 @@ def one_line(text: str) -> str:
 def _is_lightning_misconfiguration(err: BaseException) -> bool:
     if "lightning" not in sys.modules:  # not loaded: the error cannot be Lightning's
         return False
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.fabric.utilities.exceptions import MisconfigurationException  # torch-free module
 
     return isinstance(err, MisconfigurationException)
 

@@ -40,3 +40,28 @@ def test_an_import_that_runs_back_up_breaks_the_contract(tmp_path):
     assert result.returncode == 1, result.stdout[-3000:]
     assert "parallama.models is not allowed to import parallama.training" in result.stdout
     assert "parallama.models.contract -> parallama.training.loss" in result.stdout
+
+
+REASONS = ("torch-free module", "optional dependency", "start-up time")
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import is at the top of its module unless it keeps the module light: the CLI's front door answers a bad
+    config before torch loads (torch-free module), a dependency only some tools need (optional dependency), or a
+    library only one path uses (start-up time). Each says which on its line or the line above."""
+    import ast
+
+    unexplained = []
+    for path in sorted((ROOT / "src" / "parallama").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    said = lines[node.lineno - 1] + lines[node.lineno - 2]
+                    if not any(reason in said for reason in REASONS):
+                        unexplained.append(
+                            f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}"
+                        )
+    assert not unexplained, "\n".join(sorted(set(unexplained)))

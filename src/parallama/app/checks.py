@@ -16,14 +16,20 @@ import logging
 import os
 from pathlib import Path
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.app.run_dir import check_run_dir
+from parallama.checkpoint.resume import check_model_matches, missing_ckpt_path
+from parallama.config.parts import instantiate_part, locate_target, targets
 from parallama.config.schema import check_schema
-from parallama.distributed.dims import uses_gpu
+from parallama.distributed.dims import dims_of_config, uses_gpu
 from parallama.errors import ConfigError
+from parallama.models import model_spec
 from parallama.parallel.layout_checks import check_layout
 from parallama.rules import check_keys
+from parallama.runtime.faults import check_multi_node
+from parallama.training.optim import check_optimizer
 from parallama.training.wandb_env import wandb_api_key_configured
 
 
@@ -89,7 +95,6 @@ def check_inputs(cfg: DictConfig) -> None:
     was trained with this run's model settings, a data source's paths match files, `init_from` is a Hugging
     Face folder of the model's family, from which transformers computes the family's model's logits
     (models/hf_logits.py). (The run checks them again where it reads them.)"""
-    from parallama.checkpoint.resume import check_model_matches, missing_ckpt_path
 
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None and ckpt_path != "last":  # `last` is resolved in the run's own directory
@@ -98,19 +103,17 @@ def check_inputs(cfg: DictConfig) -> None:
         model = OmegaConf.to_container(cfg.model, resolve=True)
         check_model_matches(ckpt_path, {k: v for k, v in model.items() if v is not None}, strict=False)
     for where, source in _file_sources(cfg.data, "data"):
-        from parallama.data.sources import check_paths
+        from parallama.data.sources import check_paths  # start-up time (tokenizers)
 
         try:
             check_paths(OmegaConf.to_container(source, resolve=True)["paths"])
         except (ConfigError, FileNotFoundError) as err:  # worded as the data module words it
             raise ConfigError(str(err) if where == "data.source" else f"{where}: {err}") from None
     if cfg.get("init_from"):
-        from parallama.models import model_spec
-
         fields = OmegaConf.to_container(cfg.model, resolve=True)
         spec = model_spec(fields)
         if spec.hf_path is not None:
-            from parallama.models.hf_logits import check_init_from
+            from parallama.models.hf_logits import check_init_from  # torch-free module
 
             spec.hf.load_hf_config(cfg.init_from, spec.config)
             if unverified := check_init_from(spec, cfg.init_from, fields):
@@ -132,9 +135,8 @@ def _check_tokenizer(cfg: DictConfig) -> None:
     """A tokenizer that needs no training and no download (byte-level, a tokenizer.json on disk) is loaded here,
     so a missing file or a model.vocab_size below it is one line before the run starts; a trained BPE or a Hub
     tokenizer is checked by the run when it has it."""
-    from hydra.utils import get_object
 
-    from parallama import tokenizer as tokenizers
+    from parallama import tokenizer as tokenizers  # start-up time (tokenizers)
 
     node = OmegaConf.select(cfg, "tokenizer")
     try:  # the factory itself: a saved config may name it by its old path (parallama.tokenizer)
@@ -193,8 +195,7 @@ def _check_wandb(cfg: DictConfig) -> None:
 
 def _check_float8(cfg: DictConfig, hardware: bool) -> None:
     """float8 (distributed/float8.py): a strategy it runs under, a GPU that computes in float8, aligned linears."""
-    from parallama.distributed.float8 import check_float8
-    from parallama.models import model_spec
+    from parallama.distributed.float8 import check_float8  # torch-free module
 
     recipe = cfg.get("float8")
     if recipe is None:
@@ -218,7 +219,6 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
 
 
 def _check_model_shape(model: DictConfig) -> None:
-    from parallama.models import model_spec
 
     fields = OmegaConf.to_container(model, resolve=True)
     if fields.get("vocab_size") is None:
@@ -229,9 +229,7 @@ def _check_model_shape(model: DictConfig) -> None:
 def _check_recipe(cfg: DictConfig) -> None:
     """The optimizer, schedule and loss build, each checking its own keys (training/optim.py, schedules.py,
     loss.py), and the strategy says what it cannot run with them; the cross-key rules here."""
-    from parallama.config.parts import instantiate_part
-    from parallama.training.optim import check_optimizer
-    from parallama.training.schedules import check_torch_scheduler, names_torch_scheduler
+    from parallama.training.schedules import check_torch_scheduler, names_torch_scheduler  # torch-free module
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     factory = check_optimizer(optimizer)
@@ -255,7 +253,7 @@ def _check_recipe(cfg: DictConfig) -> None:
 def _check_strategy_rules(cfg: DictConfig, optimizer: type) -> None:
     """The strategy's keys and refusals, asked of the class `strategy._target_` names (parallel/strategies/:
     `config_keys`, `refusal`), so that a subclass of yours is checked as the one it extends."""
-    from parallama.parallel.base import strategy_class
+    from parallama.parallel.base import strategy_class  # torch-free module
 
     strategy = strategy_class(cfg.strategy)
     if strategy is None:
@@ -269,7 +267,6 @@ def _check_strategy_rules(cfg: DictConfig, optimizer: type) -> None:
 def _check_targets(cfg: DictConfig) -> None:
     """Every other `_target_` the job builds (a strategy, callback, logger or data source of yours) imports, or
     one line naming its key, before the job prints its config (the recipe's parts are built in `_check_recipe`)."""
-    from parallama.config.parts import locate_target, targets
 
     for path, target in targets(OmegaConf.to_container(cfg, resolve=False)):
         if not target.startswith("${"):
@@ -281,8 +278,7 @@ DEFAULT_MODULE = "parallama.training.module.CausalLM"
 
 def _check_module(target) -> None:
     """`module._target_` names a LightningModule built like CausalLM (a subclass of it)."""
-    from parallama.config.parts import locate_target
-    from parallama.training.module import CausalLM
+    from parallama.training.module import CausalLM  # torch-free module
 
     cls = locate_target(target, "module._target_")
     if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
@@ -290,7 +286,7 @@ def _check_module(target) -> None:
 
 
 def _check_devices(trainer: DictConfig) -> None:
-    import torch
+    import torch  # torch-free module
 
     accelerator, devices = trainer.accelerator, trainer.devices
     gpus = torch.cuda.device_count()
@@ -301,8 +297,6 @@ def _check_devices(trainer: DictConfig) -> None:
     if uses_gpu(accelerator) and isinstance(devices, int) and devices > gpus:
         raise ConfigError(f"trainer.devices={devices} but only {gpus} GPU(s) are visible on this node")
     if trainer.num_nodes > 1:
-        from parallama.runtime.faults import check_multi_node
-
         check_multi_node(trainer.num_nodes)
 
 
@@ -340,8 +334,6 @@ def apply_cpu_precision(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     precision = str(trainer.get("precision"))
     if precision in ("16-mixed", "16") and not uses_gpu(trainer.get("accelerator", "auto")):
-        import logging
-
         logging.getLogger("parallama").info(
             f"trainer.precision={precision} runs as bf16-mixed on CPU (no fp16 autocast there): set so"
         )
@@ -365,7 +357,6 @@ def apply_val_check_epochs(cfg: DictConfig) -> None:
 def apply_global_batch(cfg: DictConfig) -> None:
     """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the run's data-parallel size
     (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take)."""
-    from parallama.distributed.dims import dims_of_config
 
     global_batch = cfg.get("global_batch_size")
     if global_batch is None:

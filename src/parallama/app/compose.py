@@ -12,11 +12,21 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import hydra
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
+from parallama import CONF_DIR
 from parallama.app.checks import check_config
 from parallama.errors import ConfigError
 from parallama.runtime.launch import CHECKED_ENV
@@ -31,7 +41,7 @@ _NO_VALUE = {"-m", "--multirun", "-r", "--run", "--resolve"}
 
 def auto_precision() -> str:
     """`trainer.precision: ${auto_precision:}`: bf16 mixed precision where the GPU supports it, else fp32."""
-    import torch  # here, not at the top: --help and typos answer before torch is loaded
+    import torch  # torch-free module: --help and typos answer before torch is loaded
 
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return "bf16-mixed" if cuda_bf16 else "32-true"
@@ -47,7 +57,6 @@ _CHECKED: set[tuple[str, ...]] = set()
 def already_checked(cfg: DictConfig) -> bool:
     """Whether the running Hydra job's config was checked: by `preflight` in this process (a job whose values a
     sweeper draws as it starts, e.g. Optuna's, was not), or by the rank that started this one."""
-    from hydra.core.hydra_config import HydraConfig
 
     if os.environ.get(CHECKED_ENV):
         return True
@@ -97,7 +106,6 @@ def preflight(
             overrides.append(arg)
     extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
     extra += [*run, "hydra.mode=MULTIRUN"] if multirun else run
-    from hydra import initialize_config_dir
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for number, (job, label) in enumerate(_sweep_jobs(overrides)):
@@ -123,7 +131,6 @@ def preflight(
 def _check_creatable(key: str, path: str) -> None:
     """A run directory Hydra could not create is one line here (found: `hydra.run.dir=/proc/x`, a traceback
     printed twice): a folder is made and removed in its nearest existing parent. Interpolations are left to Hydra."""
-    import tempfile
 
     if "${" in path:
         return
@@ -143,10 +150,6 @@ def _check_sweep_allowed(overrides: list[str], printing: bool) -> None:
     config itself asks for a sweep (a preset's `hydra.mode: MULTIRUN`): here in one line, suggesting `-m`.
     Called right after a job of the sweep composed, so HydraConfig holds the mode the config asks for. `--cfg`
     prints one config, so there a sweep is refused whatever the mode."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-    from hydra.types import RunMode
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and not printing:
         return
@@ -166,9 +169,6 @@ def _check_sweep_allowed(overrides: list[str], printing: bool) -> None:
 
 def compose_tool(config_name: str, overrides: list[str], list_keys: bool = False) -> DictConfig:
     """A tool's config for `overrides`, as its Hydra app composes it (for calling a tool from Python)."""
-    from hydra import initialize_config_dir
-
-    from parallama import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose_job(config_name, overrides, list_keys)
@@ -180,8 +180,6 @@ def compose_tool(config_name: str, overrides: list[str], list_keys: bool = False
 def _sweep_jobs(overrides: list[str]) -> list[tuple[list[str], str]]:
     """The jobs to check: the overrides themselves, or for a sweep one job per swept value (label: that value).
     Values a sweeper draws at run time (Optuna's interval(...)) are checked when their job starts."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -214,17 +212,11 @@ def compose_job(config_name: str, overrides: list[str], list_keys: bool = False)
     """The job config Hydra composes for `overrides` (inside `initialize_config_dir`), its `hydra` node set aside
     once ${hydra:...} can resolve; Hydra's error in one line otherwise. `list_keys`: an unknown key is answered
     with the config's keys (tools with a few top-level keys) instead of a suggestion to add it with `+key=`."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from hydra.types import RunMode
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
-        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+        cfg = hydra.compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         message = f"{err}\n{err.__cause__ or ''}"
-        raise ConfigError(_one_line(message, lambda: compose(config_name), list_keys)) from None
+        raise ConfigError(_one_line(message, lambda: hydra.compose(config_name), list_keys)) from None
     # the job's directory (paths.output_dir), as Hydra's run_job sets it
     if cfg.hydra.mode != RunMode.MULTIRUN:
         cfg.hydra.runtime.output_dir = os.path.abspath(str(cfg.hydra.run.dir))
@@ -266,7 +258,6 @@ def _one_line(message: str, compose_defaults: Callable[[], DictConfig], list_key
 
 def _options_with(key: str) -> list[str]:
     """The options of a config group (conf/<group>/*.yaml) that have `key`'s leaf, for `<group>.<leaf>`."""
-    from parallama import CONF_DIR
 
     group, _, leaf = key.partition(".")
     folder = Path(CONF_DIR, group)

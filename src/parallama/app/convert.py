@@ -18,10 +18,13 @@ import os
 import warnings
 from pathlib import Path
 
+import torch
+
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import INFO_KEY, LIGHTNING_TENSORS
 from parallama.checkpoint.untrusted import verify_checkpoint
 from parallama.errors import ConfigError
+from parallama.runtime.launch import needs_launch, start_ranks, use_private_torch_extensions
 
 
 def convert(cfg) -> None:
@@ -52,12 +55,10 @@ def write_deepspeed(cfg, state: universal.UniversalState) -> None:
     if state.optimizer is None:
         raise ConfigError(f"src={cfg.src} holds weights only; DeepSpeed's folder needs the optimizer state")
 
-    import lightning as L
-    import torch
+    import lightning as L  # start-up time (lightning)
 
-    from parallama.parallel.strategies.deepspeed import DeepSpeed
-    from parallama.runtime.launch import needs_launch, start_ranks, use_private_torch_extensions
-    from parallama.training.module import CausalLM
+    from parallama.parallel.strategies.deepspeed import DeepSpeed  # start-up time (lightning)
+    from parallama.training.module import CausalLM  # start-up time (lightning)
 
     use_private_torch_extensions()
     # This stand-in run has none of the source run's callbacks or validation data, and needs none.

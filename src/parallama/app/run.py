@@ -15,8 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallama.app.checks import apply_derived, check_config, check_vocab_fits
 from parallama.app.compose import already_checked
+from parallama.checkpoint.resume import check_fresh_run, check_resume, owning_run_dir, resolve_ckpt_path
 from parallama.config.parts import instantiate_part
+from parallama.distributed.dims import processes_per_node
+from parallama.distributed.options import ACOptions
 from parallama.runtime import faults
+from parallama.runtime.compat import check_internals
+from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
+from parallama.training.optim import optimizer_factory, peak_lr
 from parallama.training.report import (
     generate_sample,
     job_config,
@@ -43,12 +49,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         apply_derived(cfg)
     else:
         check_config(cfg)
-    from parallama.parallel.base import strategy_class
-    from parallama.runtime.compat import check_internals
+    from parallama.parallel.base import strategy_class  # torch-free module
 
     strategy = strategy_class(cfg.strategy)
     check_internals(strategy.internals if strategy else ())  # and those the strategy's class relies on
-    from parallama.checkpoint.resume import check_fresh_run, owning_run_dir
 
     check_fresh_run(cfg)  # may set ckpt_path=last (a requeued SLURM job)
     with owning_run_dir(cfg.paths.output_dir):  # one live run per directory
@@ -57,20 +61,18 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
 def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     """`train`'s job in a run directory it owns: build, fit (resuming if asked), report and sample."""
-    import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor
+    import lightning as L  # torch-free module
+    from lightning.pytorch.callbacks import LearningRateMonitor  # torch-free module
 
     one_console_for_lightning()
 
-    from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps
-    from parallama.checkpoint.resume import check_resume, resolve_ckpt_path
-    from parallama.distributed.dims import processes_per_node
-    from parallama.parallel.base import Parallelism
-    from parallama.runtime.launch import needs_launch, pinned_cores, start_ranks
+    from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps  # torch-free module
+    from parallama.parallel.base import Parallelism  # torch-free module
+
+    # torch-free module
     from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers, requeue_single_device_jobs
-    from parallama.training.loggers import continue_wandb_run
-    from parallama.training.module import CausalLM
-    from parallama.training.optim import optimizer_factory, peak_lr
+    from parallama.training.loggers import continue_wandb_run  # torch-free module
+    from parallama.training.module import CausalLM  # torch-free module
 
     # before anything is printed or built: a checkpoint to resume that is missing or corrupt is one line
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
@@ -112,7 +114,7 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
     if (
         cfg.get("float8") is not None
     ):  # the blocks' linears in float8 (distributed/float8.py), through the plan
-        from parallama.training.callbacks import Float8Scales
+        from parallama.training.callbacks import Float8Scales  # torch-free module
 
         strategy.float8, strategy.float8_filter = cfg.float8, cfg.float8_filter
         callbacks = [*callbacks, Float8Scales()]
@@ -164,7 +166,6 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
 def activation_checkpointing(cfg: DictConfig) -> str | dict:
     """What the module hands the strategy's plan (distributed/options.py `ACOptions.of`): the mode, and under
     selective its policy (`activation_checkpointing_policy`), as plain values a checkpoint keeps weights-only."""
-    from parallama.distributed.options import ACOptions
 
     mode = ACOptions.of(cfg.activation_checkpointing).mode
     if mode != "selective":

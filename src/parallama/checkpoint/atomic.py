@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from parallama.checkpoint import integrity
@@ -160,7 +161,6 @@ class AtomicFolderCheckpoints:
     def _hash_own_files(self, folder: Path) -> dict[str, dict]:
         """Each rank hashes the files it wrote (DCP's `__<rank>_<n>.distcp`, DeepSpeed's `*rank_<rank>_*`; rank 0
         the rest), still in its page cache, in parallel with the others; every rank gets all the entries."""
-        import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0

@@ -86,7 +86,7 @@ def client_state_file(path: str | os.PathLike) -> Path | None:
 def client_state(path: str | os.PathLike) -> dict:
     """A checkpoint's non-tensor state, without its weights: read once per file (and again if it changes), once
     the checkpoint passed its checksums (the first byte of a checkpoint most readers use)."""
-    from parallama.checkpoint.integrity import verify
+    from parallama.checkpoint.integrity import verify  # start-up time (hydra)
 
     verify(path)
     file = client_state_file(path)
@@ -98,7 +98,7 @@ def client_state(path: str | os.PathLike) -> dict:
 
 @lru_cache(maxsize=8)
 def _read_client_state(file: str, mtime_ns: int, size: int) -> dict:
-    from parallama.checkpoint.untrusted import load_weights_only
+    from parallama.checkpoint.untrusted import load_weights_only  # torch-free module
 
     state = load_weights_only(file, mmap=True)  # the weights stay on disk, unread
     drop = (*LIGHTNING_TENSORS, *DEEPSPEED_KEYS)

@@ -19,7 +19,7 @@ from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
 from parallama.checkpoint.integrity import verify
 from parallama.errors import ConfigError
-from parallama.models import ModelSpec, model_spec
+from parallama.models import ModelSpec, model_spec, spec_for_hf_folder
 from parallama.models.contract import load_state_into
 
 PREFIX = "model."  # CausalLM keeps its model at `self.model`
@@ -55,10 +55,9 @@ def load_checkpoint(path: str | os.PathLike) -> LoadedCheckpoint:
 def load_model(ckpt_path: str | None = None, model_dir: str | None = None):
     """(model, tokenizer) from a training checkpoint (any strategy) or a Hugging Face folder (e.g. an export), for
     the tools that run a model (generate, evaluate)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # start-up time (tokenizers)
 
-    from parallama.models import spec_for_hf_folder
-    from parallama.tokenizer import from_pretrained
+    from parallama.tokenizer import from_pretrained  # start-up time (tokenizers)
 
     if model_dir is not None:
         verify(model_dir, note_missing=False)  # an export's checksums (a folder from the Hub has none)

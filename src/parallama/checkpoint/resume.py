@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from parallama.checkpoint.formats import client_state
 from parallama.checkpoint.integrity import note_once, problem, verify
 from parallama.errors import ConfigError
+from parallama.models import DEFAULT_FAMILY, model_spec
 from parallama.runtime.faults import run_checkpoints
 from parallama.runtime.launch import first_process
 
@@ -175,7 +176,6 @@ def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dic
     """The checkpoint was trained with `model`'s settings (keys `model` lacks are not compared); returns its
     client state. `strict=False` (the preflight): a checkpoint without a parallama model config passes, for
     the run's own check to word."""
-    from parallama.models import DEFAULT_FAMILY, model_spec
 
     ckpt_path = checkpoint_of(ckpt_path)  # a run directory: its newest intact checkpoint
     state = client_state(ckpt_path)
@@ -197,7 +197,7 @@ def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dic
 def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> None:
     """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
     it may run code; then the same model shape, something left to train, the same data order."""
-    from parallama.checkpoint.untrusted import verify_checkpoint
+    from parallama.checkpoint.untrusted import verify_checkpoint  # torch-free module
 
     verify_checkpoint(ckpt_path)
     state = check_model_matches(ckpt_path, model)

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from parallama.checkpoint.formats import INFO_KEY, client_state, deepspeed_tag, detect
 from parallama.checkpoint.integrity import checksum_folder, verify
@@ -36,6 +39,7 @@ from parallama.checkpoint.untrusted import (
     verify_deepspeed,
     weights_only_loads,
 )
+from parallama.checkpoint.zero import read_zero_checkpoint
 from parallama.errors import ConfigError
 
 
@@ -81,8 +85,6 @@ def _read_deepspeed(path: str, optimizer: bool) -> UniversalState:
     """With the optimizer: the ZeRO partitions merged with their AdamW moments (checkpoint/zero.py). Without: the
     fp32 weights merged by DeepSpeed's own zero_to_fp32."""
     if optimizer:
-        from parallama.checkpoint.zero import read_zero_checkpoint
-
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
             return UniversalState(*read_zero_checkpoint(path))
     tag = deepspeed_tag(path)
@@ -92,6 +94,7 @@ def _read_deepspeed(path: str, optimizer: bool) -> UniversalState:
     verify_deepspeed(path)
     try:
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
+            # optional dependency
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             model = get_fp32_state_dict_from_zero_checkpoint(path, tag.name)
@@ -106,9 +109,6 @@ def _read_dcp(path: str, optimizer: bool) -> UniversalState:
 
     The keys come from its `.metadata` (read safely), so DCP's own loader fills every one of them; the
     metadata's `planner_data` says where each flat key sat in the nested state that was saved."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = verify_dcp(path)
     flat = {
@@ -222,12 +222,10 @@ def write(state: UniversalState, out: str | os.PathLike, fmt: str) -> None:
                     ],
                 }
             ]
-        from parallama.checkpoint.atomic import save_file
+        from parallama.checkpoint.atomic import save_file  # start-up time (lightning)
 
         save_file(ckpt, out)  # with its checksum, as a run writes it
     elif fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-
         tensors = {"state_dict": state.model}
         if state.optimizer is not None:
             tensors["optimizer_0"] = state.optimizer

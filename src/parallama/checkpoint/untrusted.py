@@ -21,8 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader, metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
 
+from parallama.checkpoint.formats import detect
 from parallama.errors import ConfigError
+from parallama.runtime.compat import dcp_metadata_private_types
 
 
 def _unsafe(path: str | os.PathLike, what: str) -> ConfigError:
@@ -41,9 +45,10 @@ def deepspeed_types() -> list:
     """Non-tensor types in DeepSpeed's `*optim_states.pt` (ZeRO 1-3, fp32 and bf16; DynamicLossScaler is
     fp16's). Lightning single files, DeepSpeed model states and DCP's meta.pt need none beyond torch's."""
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the CLIs' result
+        # start-up time (deepspeed)
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
+        from deepspeed.runtime.zero.config import ZeroStageEnum  # start-up time (deepspeed)
+        from deepspeed.utils.tensor_fragment import fragment_address  # start-up time (deepspeed)
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
@@ -88,9 +93,6 @@ def weights_only_loads(allowed: list) -> Iterator[None]:
 
 def _dcp_metadata_types() -> dict[tuple[str, str], object]:
     """What DCP's `.metadata` pickle holds (torch 2.13, FSDP2 via Lightning), by (module, name)."""
-    from torch.distributed.checkpoint import metadata
-
-    from parallama.runtime.compat import dcp_metadata_private_types
 
     types = [
         metadata.Metadata,
@@ -136,8 +138,6 @@ def read_dcp_metadata(path: str | os.PathLike):
 
 def safe_dcp_reader(path: str | os.PathLike):
     """DCP's FileSystemReader with `.metadata` read by `read_dcp_metadata`."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -159,7 +159,6 @@ def verify_deepspeed(path: str | os.PathLike) -> None:
 def verify_dcp(path: str | os.PathLike):
     """`.metadata`, every *.pt, and the pickled (non-tensor) items inside the `*.distcp` files; returns
     the metadata."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     metadata = read_dcp_metadata(path)
     storage = metadata.storage_data or {}
@@ -189,8 +188,7 @@ def verify_dcp(path: str | os.PathLike):
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Before resuming with ckpt_path=<file or folder>: Lightning and DeepSpeed unpickle with full pickle,
     so check first that every pickle in it loads weights-only with the allow-list (else a one-line error)."""
-    from parallama.checkpoint.formats import detect
-    from parallama.checkpoint.integrity import verify
+    from parallama.checkpoint.integrity import verify  # start-up time (hydra)
 
     fmt = detect(path)
     verify(path)  # its checksums first: a corrupt byte is named as such, not as whatever it breaks

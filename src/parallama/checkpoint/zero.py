@@ -46,7 +46,7 @@ def read_zero_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict]:
         contextlib.redirect_stdout(sys.stderr),
         weights_only_loads(allowed),
     ):  # zero_to_fp32 prints and unpickles
-        from deepspeed.utils import zero_to_fp32
+        from deepspeed.utils import zero_to_fp32  # start-up time (deepspeed)
 
         try:
             model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(folder))
@@ -137,7 +137,7 @@ def _has_state(zero, parts) -> bool:
 def _link_moments(zero, parts) -> None:
     """ZeRO-1/2 read and write a parameter's moments through views into the flat state. DeepSpeed makes them
     once, after stepping the first param group only, so every later group's views are empty: make them all."""
-    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state  # start-up time (deepspeed)
 
     if not hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3 reads the flat state directly
         for _, flat, params in parts:
@@ -147,6 +147,7 @@ def _link_moments(zero, parts) -> None:
 def gather_from_deepspeed(strategy_or_engine, lightning_module) -> tuple[dict, dict]:
     """The running engine's universal (model, optimizer), on CPU, on every rank. Collective: every rank calls it
     (one all-reduce or all-gather per parameter and tensor). Before the first step `optimizer["state"]` is {}."""
+    # start-up time (deepspeed)
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero, names = _engine_and_names(strategy_or_engine, lightning_module)
@@ -179,7 +180,9 @@ def load_into_deepspeed(strategy_or_engine, lightning_module, model: dict, optim
     too): fp32 master weights, the module's (possibly bf16) working weights, AdamW moments, step count and the
     param groups' hyper-parameters, so that training on continues the run that wrote the state. Collective:
     every rank calls it with the same full state (under ZeRO-3 each parameter is gathered once)."""
-    import deepspeed
+    import deepspeed  # start-up time (deepspeed)
+
+    # start-up time (deepspeed)
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero, names = _engine_and_names(strategy_or_engine, lightning_module)

@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import hydra
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from parallama import CONF_DIR
@@ -62,8 +64,6 @@ def run(
         sys.exit(status)
     if setup is not None:
         setup()
-    import hydra
-    from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()  # the tool may run twice in one process (tests, notebooks)
     app = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(
@@ -150,7 +150,7 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             status, line = exit_status(err)
             if status is None:
                 raise  # a bug: the whole traceback
-            from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
+            from parallama.runtime.launch import SweepJobEnded, hand_to_sweep  # optional dependency
 
             if status == 0:
                 if not getattr(err, "said", False):

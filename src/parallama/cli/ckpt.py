@@ -51,7 +51,7 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def convert(cfg: DictConfig) -> None:
-    from parallama.app.convert import convert
+    from parallama.app.convert import convert  # torch-free module
 
     convert(cfg)
 

@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from parallama import CONF_DIR
 from parallama.cli import app
+from parallama.config.parts import targets
 from parallama.errors import ConfigError
 from parallama.rules import Rule, check_keys, key
 
@@ -45,7 +48,6 @@ def allowed_targets() -> set[str]:
 
 def check_targets(node, where: str, key: str = "data") -> None:
     """Refuse any `_target_` that is not one of parallama's data classes (Hydra would import and call it)."""
-    from parallama.config.parts import targets
 
     allowed = allowed_targets()
     for path, target in targets(node, key):
@@ -58,9 +60,8 @@ def check_targets(node, where: str, key: str = "data") -> None:
 
 def data_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's data with the command line's `data.*` / `data/...` overrides (their composed values) on top."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from parallama.checkpoint.read import run_config, run_config_path
+    from parallama.checkpoint.read import run_config, run_config_path  # torch-free module
 
     run = run_config(cfg.ckpt_path)
     if run is None or "data" not in run:
@@ -98,13 +99,13 @@ def evaluate(cfg: DictConfig, overrides: list[str] = ()) -> dict:
 
 def loss_and_perplexity(cfg: DictConfig, overrides: list[str]) -> dict:
     """trainer.validate of parallama's LightningModule, holding the checkpoint's weights, on the data split."""
-    import lightning as L
-    import torch
+    import lightning as L  # torch-free module
+    import torch  # torch-free module
 
-    from parallama.checkpoint.read import load_checkpoint, load_state_into
-    from parallama.data.index import save_atomic
-    from parallama.training.callbacks import ValidationTokens
-    from parallama.training.module import CausalLM
+    from parallama.checkpoint.read import load_checkpoint, load_state_into  # torch-free module
+    from parallama.data.index import save_atomic  # start-up time (tokenizers)
+    from parallama.training.callbacks import ValidationTokens  # torch-free module
+    from parallama.training.module import CausalLM  # torch-free module
 
     data = data_config(cfg, overrides)
     ckpt = load_checkpoint(cfg.ckpt_path)
@@ -157,8 +158,8 @@ def device_args(device: str | None) -> dict:
 
 def downstream(cfg: DictConfig) -> dict:
     """lm-evaluation-harness scores of the checkpoint or exported folder: {task: {metric: value}}."""
-    from parallama.evaluation.harness import evaluate, task_manager
-    from parallama.evaluation.lm import ParallamaLM
+    from parallama.evaluation.harness import evaluate, task_manager  # torch-free module
+    from parallama.evaluation.lm import ParallamaLM  # torch-free module
 
     task_manager(list(cfg.tasks), cfg.paths.cache_dir, cfg.task_dirs)  # a bad name: before loading the model
     lm = ParallamaLM(
@@ -224,7 +225,6 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def _task(cfg: DictConfig) -> dict:
-    from hydra.core.hydra_config import HydraConfig
 
     return evaluate(cfg, list(HydraConfig.get().overrides.task))
 

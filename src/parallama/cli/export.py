@@ -13,13 +13,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parallama.checkpoint.integrity import checksum_folder
 from parallama.cli import app
 
 
 def export(cfg: DictConfig) -> None:
-    from parallama.checkpoint.integrity import checksum_folder
-    from parallama.checkpoint.read import load_checkpoint, load_state_into
-    from parallama.models.hf_logits import check_logits
+    from parallama.checkpoint.read import load_checkpoint, load_state_into  # torch-free module
+    from parallama.models.hf_logits import check_logits  # torch-free module
 
     ckpt = load_checkpoint(cfg.ckpt_path)  # checked against its checksums first
     out = Path(cfg.out_dir).absolute()

@@ -39,11 +39,11 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 def generate_text(cfg: DictConfig | list[str]) -> str:
     """The continuation, also printed; `cfg` may be the tool's command line (a list of overrides)."""
-    import torch
+    import torch  # torch-free module
 
-    from parallama.checkpoint.read import load_model
-    from parallama.models.generation import generate
-    from parallama.tokenizer import special_ids
+    from parallama.checkpoint.read import load_model  # torch-free module
+    from parallama.models.generation import generate  # torch-free module
+    from parallama.tokenizer import special_ids  # start-up time (tokenizers)
 
     if isinstance(cfg, list):
         cfg = app.compose("generate", cfg, check, list_keys=True)

@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Column, Table
 
 from parallama.app.compose import compose_tool
 from parallama.cli import app
@@ -16,6 +19,7 @@ from parallama.distributed.dims import dims_of_config, processes_per_node
 from parallama.distributed.options import ACOptions, stages_per_rank
 from parallama.errors import ConfigError
 from parallama.models import model_spec
+from parallama.parallel.layout_checks import check_layout
 from parallama.parallel.layouts import Layout, estimate_layout, search
 from parallama.parallel.plan import (
     FP32,
@@ -35,7 +39,6 @@ from parallama.rules import Rule, check_keys, key
 
 def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] | None = None) -> dict:
     """Estimates and recommendation for a composed training config, as a JSON-able dict."""
-    from omegaconf import OmegaConf
 
     strategies = profiles(conf_dirs)
     notes, model = [], OmegaConf.to_container(cfg.model, resolve=True)
@@ -72,6 +75,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     def how(c):
         return selective if c == "selective" else c
 
+    # torch-free module
     from parallama.distributed.float8 import (
         converted_share,  # torch: the command line's start stays without it
     )
@@ -124,8 +128,6 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
             continue
         layouts[name], searched[name] = layout, next(c for c in levels if how(c) is with_ckpt)
     if _is_model_parallel(cfg.strategy):
-        from parallama.parallel.layout_checks import check_layout
-
         check_layout(cfg, on_gpu=True)  # as parallama-train refuses it (e.g. ep not dividing num_experts)
         layouts["model_parallel (as configured)"] = configured_layout(cfg)
     for name, layout in layouts.items():
@@ -173,8 +175,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
 
 def _is_model_parallel(strategy: DictConfig) -> bool:
     """Whether the configured strategy is model_parallel's class or a subclass of it (its keys give a layout)."""
-    from parallama.parallel.base import strategy_class
-    from parallama.parallel.strategies.model_parallel import ModelParallel
+    from parallama.parallel.base import strategy_class  # torch-free module
+    from parallama.parallel.strategies.model_parallel import ModelParallel  # torch-free module
 
     configured = strategy_class(strategy)
     return configured is not None and issubclass(configured, ModelParallel)
@@ -229,8 +231,6 @@ def compose(overrides: list[str], conf_dirs: list[Path] | None = None) -> DictCo
 
 def show(result: dict) -> None:
     """The table (GiB) and the recommendation, with rich."""
-    from rich.console import Console
-    from rich.table import Column, Table
 
     console, ckpt = Console(width=max(Console().width, 150)), result["activation_checkpointing"]
     more = [k for k, c in (("selective", "selective"), ("checkpointing", True)) if c != ckpt]
@@ -291,7 +291,6 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def _task(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     overrides = [o for o in hc.overrides.task if _key(o) not in ("gpu_memory_gb", "json")]

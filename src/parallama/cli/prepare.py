@@ -17,6 +17,7 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import hydra
@@ -24,7 +25,8 @@ from omegaconf import DictConfig
 
 from parallama.cli import app
 from parallama.config.schema import train_rules
-from parallama.data.cache import STEPS
+from parallama.data.cache import STEPS, TokenCache, load_tokenizer, source_key
+from parallama.data.sources import interleave, mixture_key, mixture_sources, named
 from parallama.errors import ConfigError
 from parallama.rules import Rule, check_keys, check_values, key
 
@@ -67,10 +69,6 @@ def prepare(cfg: DictConfig) -> list:
     """Build (or find) the entry, or every source's entry of a mixture (`data.sources`, one tokenizer for all);
     returns them, without those a node leaves to node 0's index step. The command line's values were checked
     before (`check`)."""
-    from functools import partial
-
-    from parallama.data.cache import TokenCache, load_tokenizer, source_key
-    from parallama.data.sources import interleave, mixture_key, mixture_sources, named
 
     data, p = cfg.data, cfg.prepare
     source = hydra.utils.instantiate(data.get("source"))

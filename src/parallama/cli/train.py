@@ -10,8 +10,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parallama.app.checks import check_config
+from parallama.app.run import train
+from parallama.app.run_dir import run_dir_made_in
 from parallama.cli import app
 from parallama.errors import EXIT_BAD_INPUT, ConfigError, RankDied, TrainingDiverged, exit_status
+from parallama.runtime import faults
+from parallama.runtime.launch import pin_to_job_cores, use_private_torch_extensions
+from parallama.sweeps import register_plugins
 
 
 def train_job(cfg: DictConfig) -> float | None:
@@ -29,7 +35,6 @@ def train_job(cfg: DictConfig) -> float | None:
 def _forget_refused_start(run_dir: Path) -> None:
     """Remove `run_dir`, and the folders made for it, if this start made it (the preflight found none) and it holds
     no checkpoint."""
-    from parallama.app.run_dir import run_dir_made_in
 
     if run_dir_made_in is None or any(run_dir.glob("checkpoints/*")):
         return
@@ -41,9 +46,7 @@ def _forget_refused_start(run_dir: Path) -> None:
 
 
 def _train_job(cfg: DictConfig) -> float | None:
-    from parallama.app.run import train
-    from parallama.runtime import faults
-    from parallama.training.loggers import finish_wandb_run
+    from parallama.training.loggers import finish_wandb_run  # torch-free module
 
     try:
         metrics, _ = train(cfg)
@@ -67,7 +70,6 @@ def _train_job(cfg: DictConfig) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from parallama.runtime.launch import pin_to_job_cores
 
     pin_to_job_cores()  # first: before torch starts its threads
     app.run("train", train_job, argv, check=check, log_errors=True, setup=setup)
@@ -75,8 +77,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def setup() -> None:
     """Once the config passed."""
-    from parallama.runtime.launch import use_private_torch_extensions
-    from parallama.sweeps import register_plugins
 
     use_private_torch_extensions()
     register_plugins()
@@ -86,7 +86,6 @@ def setup() -> None:
 
 
 def check(cfg: DictConfig, hardware: bool) -> None:
-    from parallama.app.checks import check_config
 
     check_config(cfg, hardware=hardware)
 

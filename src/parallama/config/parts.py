@@ -41,8 +41,8 @@ def targets(node, path: str = "") -> Iterator[tuple[str, str]]:
 def instantiate_part(config: Mapping, group: str, **kwargs):
     """`hydra.utils.instantiate(config, **kwargs)`; a part's own ConfigError (its keys check themselves) comes out
     as it is, an unknown class or keyword as one line naming `group`."""
-    import hydra
-    from hydra.errors import InstantiationException
+    import hydra  # start-up time (hydra)
+    from hydra.errors import InstantiationException  # start-up time (hydra)
 
     if "_target_" not in config:
         raise ConfigError(f"{group} has no _target_; name the class to build (see conf/{group}/)")

@@ -49,7 +49,7 @@ _ENTRY_KEYS = (
 
 def _prepare_hint() -> str:
     """The `parallama-prepare` command that builds this run's entry ahead: its own overrides, under Hydra."""
-    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig  # start-up time (hydra)
 
     try:
         overrides = HydraConfig.get().overrides.task

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import glob
 import itertools
+import json
 import logging
 import math
 import os
@@ -22,6 +23,9 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from pydoc_data.topics import topics
+
+import pyarrow.parquet as pq
 
 from parallama.data.cache import source_key
 from parallama.errors import ConfigError
@@ -38,8 +42,6 @@ def embedded(corpus: str = "prose", max_documents: int | None = None) -> Iterabl
     own `.py` files (tests excluded), one document per file.
     """
     if corpus == "prose":
-        from pydoc_data.topics import topics
-
         docs: Iterable[str] = (topics[k] for k in sorted(topics))
     elif corpus == "code":
         docs = (p.read_bytes().decode("utf-8", errors="replace") for p in _stdlib_sources())
@@ -57,8 +59,6 @@ def _embedded_count(corpus: str = "prose", max_documents: int | None = None) -> 
     if corpus not in CORPORA:
         return None
     if corpus == "prose":
-        from pydoc_data.topics import topics
-
         n = len(topics)
     else:
         n = len(_stdlib_sources())
@@ -98,7 +98,6 @@ def _files_count(
 ) -> int | None:
     """Exact where cheap: one per .txt/.md file, parquet row counts from the footer, jsonl line counts (a
     read at disk speed); a .json array makes it unknown."""
-    import pyarrow.parquet as pq
 
     total = 0
     for path in check_paths(paths):
@@ -196,7 +195,7 @@ def _rows(path: str) -> Iterator[dict]:
     level = json_log.level
     json_log.setLevel(logging.CRITICAL)  # it logs the parse error we are about to raise as one line
     # imported here: `datasets` takes seconds to import, and the preflight's check of the paths needs none of it
-    from datasets import load_dataset
+    from datasets import load_dataset  # start-up time (datasets)
 
     try:
         yield from load_dataset(builder, data_files=path, split="train", streaming=True, **options)
@@ -214,7 +213,6 @@ def _json_error(path: str) -> str | None:
     """Where a JSON file stops parsing, counted as the other data errors count: records from 1 (Arrow says `row
     100`, from 0 within the block it read, and calls an unterminated string "Invalid encoding in string").
     None where Python reads it whole."""
-    import json
 
     with open(path, "rb") as f:
         if f.read(64).lstrip().startswith(b"["):  # one JSON array
@@ -255,7 +253,7 @@ def hub(
 ) -> Iterable[str]:
     """A Hugging Face dataset (or anything `load_dataset(name)` accepts, e.g. a local
     folder). Streaming reads only what is used: cap web-scale sets with `max_documents`."""
-    from datasets import load_dataset
+    from datasets import load_dataset  # start-up time (datasets)
 
     ds = load_dataset(name, config_name, split=split, streaming=streaming)
     if ds.column_names is not None:

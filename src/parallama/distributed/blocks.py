@@ -11,7 +11,14 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallama.errors import ConfigError
 
@@ -22,7 +29,6 @@ def check_tp_plan_covers(model: nn.Module, mesh, replicated: set[str], plan: str
     """Every parameter is a DTensor on the tp `mesh` or belongs to a module the plan keeps `REPLICATED`: a
     parameter the plan missed would be a plain tensor that each rank updates from its own share of the
     activations (a model that is not the one-process model, silently), so it is one line naming it."""
-    from torch.distributed.tensor import DTensor
 
     for name, param in model.named_parameters():
         covered = isinstance(param, DTensor) and param.device_mesh == mesh
@@ -93,14 +99,12 @@ SAVE_OPS: set = set()  # filled on first use (looking up torch.ops loads the c10
 
 
 def _selective_policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts():
     """A (forward, recompute) context pair for `checkpoint(context_fn=...)`: keep SAVE_OPS' outputs."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if not SAVE_OPS:
         SAVE_OPS.update(_save_ops())
@@ -128,7 +132,6 @@ def apply_fsdp(
     gradients in fp32, keep fp32 master weights. cpu_offload: sharded parameters, gradients and optimizer
     state live in CPU memory.
     """
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     kwargs = fsdp_kwargs(mesh, mixed_precision, cpu_offload)
     for i, block in enumerate(model.layers.values()):
@@ -143,7 +146,6 @@ def apply_fsdp(
 
 def fsdp_kwargs(mesh, mixed_precision: str | None = None, cpu_offload: bool = False) -> dict:
     """`fully_shard`'s mesh, mixed precision and offload policies (see `apply_fsdp`)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict = {"mesh": mesh}
     if mixed_precision is not None:

@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental import context_parallel
 
 from parallama.distributed.options import loss_fuses
 from parallama.runtime import compat
@@ -53,7 +54,6 @@ def sharded_batch(cp_mesh, batch: dict):
     changed (its token count is what tokens-seen counts)."""
     if cp_mesh.device_type == "cpu":
         compat.enable_cpu_ring_attention()
-    from torch.distributed.tensor.experimental import context_parallel
 
     input_ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].clone()

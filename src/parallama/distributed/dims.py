@@ -120,7 +120,7 @@ class ParallelDims:
 
     def build_expert_mesh(self, device_type: str):
         """The mesh of the experts' parameters: DIMS with dp_shard split into (dp_shard_mod_ep, ep)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # torch-free module
 
         names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
@@ -128,7 +128,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """torch's DeviceMesh over every dimension, named as DIMS (call it once the process group exists)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh  # torch-free module
 
         return init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
 
@@ -139,7 +139,7 @@ def uses_gpu(accelerator: str) -> bool:
         return True
     if accelerator != "auto":
         return False
-    import torch
+    import torch  # torch-free module
 
     return torch.cuda.is_available()
 
@@ -147,7 +147,7 @@ def uses_gpu(accelerator: str) -> bool:
 def processes_per_node(devices, accelerator: str = "auto") -> int:
     """How many processes `trainer.devices` starts on a node: a count, a list of device ids, or "auto"/-1 (every
     GPU, or one process on a CPU-only machine, as Lightning counts them)."""
-    import torch
+    import torch  # torch-free module
 
     if isinstance(devices, (list, tuple)):
         return len(devices)

@@ -30,7 +30,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from parallama.distributed.options import FLOAT8_FILTERS as FILTERS
 from parallama.distributed.options import FLOAT8_RECIPES as RECIPES
@@ -57,7 +60,8 @@ def converted_linears(model: nn.Module, recipe: str, filter: str = "auto") -> li
     linears = list(_float8_linears(model))
     if filter == "all":
         return linears
-    from torchao.float8 import _auto_filter_for_recipe  # in torchao.float8's __all__, as torchtitan uses it
+    # start-up time (torchao); in torchao.float8's __all__, as torchtitan uses it
+    from torchao.float8 import _auto_filter_for_recipe
 
     gains = _auto_filter_for_recipe(recipe, filter_fqns=[])
     return [(name, linear) for name, linear in linears if gains(linear, name)]
@@ -110,7 +114,7 @@ def apply_float8(
 
     `recipe`: tensorwise (one scale per tensor) or rowwise (one per row: more accurate, slower). `emulate`: on
     CPU (no float8 matmul). `fsdp_all_gather`: tensorwise only, FSDP2 gathers the weights in float8."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # start-up time (torchao)
 
     if recipe not in RECIPES:
         raise ValueError(f"float8={recipe!r}")
@@ -127,7 +131,7 @@ def apply_float8(
 def float8_tp_style(style):
     """A block plan's ColwiseParallel / RowwiseParallel as torchao's float8 one with the same layouts (the
     input cast to float8 before its all-gather or after its reduce); other styles as they are."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    # start-up time (torchao)
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     for plain, float8 in ((ColwiseParallel, Float8ColwiseParallel), (RowwiseParallel, Float8RowwiseParallel)):
@@ -143,7 +147,7 @@ def float8_tp_style(style):
 def precompute_scales(model: nn.Module) -> None:
     """After an optimizer step, under FSDP2's float8 all-gather: every float8 weight's scale for the next
     all-gather, in one all-reduce (torchao's `precompute_float8_dynamic_scale_for_fsdp`; nothing otherwise)."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # start-up time (torchao)
 
     precompute_float8_dynamic_scale_for_fsdp(model)
 
@@ -153,7 +157,6 @@ def plain_tensors(state):
     wraps each such weight (and the optimizer state made like it, e.g. AdamW's moments) in its own tensor class,
     which checkpoints would otherwise pickle (and weights-only readers refuse). Loading a plain tensor back
     copies into the wrapped one. Values of other kinds are returned as they are."""
-    import torch
 
     if isinstance(state, dict):
         return {k: plain_tensors(v) for k, v in state.items()}
@@ -162,8 +165,6 @@ def plain_tensors(state):
     if not isinstance(state, torch.Tensor):
         return state
     if _is_dtensor(state):
-        from torch.distributed.tensor import DTensor
-
         if not _wrapped(state.to_local()):
             return state
         local = torch.mul(state.to_local(), 1)  # an op torchao does not keep wrapped: a plain copy
@@ -179,7 +180,6 @@ def plain_tensors(state):
 
 
 def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
@@ -196,8 +196,6 @@ def check_float8(
     if recipe is None:
         return
     if on_gpu:
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
             major, minor = torch.cuda.get_device_capability()
             raise ConfigError(

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -49,7 +51,6 @@ class Pipeline:
         loss_fn: Callable[..., Tensor],
         on_validation_logits: Callable[[Tensor, Tensor], None] | None = None,
     ):
-        import torch.distributed.pipelining as pipelining
 
         self.group, self.device, self.options, self.loss_fn = group, device, options, loss_fn
         self.on_validation_logits = on_validation_logits  # the module's hook, on the last stage's ranks
@@ -180,7 +181,6 @@ class Pipeline:
 def local_part(state, module: nn.Module):
     """A universal checkpoint state (checkpoint/universal.py) cut to the parameters `module` holds (a pipeline
     rank holds its stages' only); a parameter the checkpoint lacks is left for the strict load to name."""
-    from dataclasses import replace
 
     names = set(module.state_dict())
     model = {k: v for k, v in state.model.items() if k in names}

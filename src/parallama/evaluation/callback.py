@@ -16,6 +16,7 @@ import time
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from tokenizers import Tokenizer
 
 from parallama.errors import ConfigError
 
@@ -47,7 +48,7 @@ class DownstreamEval(Callback):
                 raise ConfigError(
                     "callbacks.downstream_eval.tasks is empty; name tasks, e.g. [parallama_cloze]"
                 )
-            from parallama.evaluation.harness import task_manager
+            from parallama.evaluation.harness import task_manager  # start-up time (lm_eval)
 
             task_manager(self.tasks, self.cache_dir, self.task_dirs)
 
@@ -62,10 +63,9 @@ class DownstreamEval(Callback):
 
     def evaluate(self, trainer, pl_module) -> dict[str, float]:
         """Scores the model as it is now and logs them at the current step; {"eval/<task>/<metric>": value}."""
-        from tokenizers import Tokenizer
 
-        from parallama.evaluation.harness import evaluate
-        from parallama.evaluation.lm import ParallamaLM
+        from parallama.evaluation.harness import evaluate  # start-up time (lm_eval)
+        from parallama.evaluation.lm import ParallamaLM  # start-up time (lm_eval)
 
         if trainer.sanity_checking or trainer.fast_dev_run:
             return {}
@@ -101,7 +101,7 @@ class DownstreamEval(Callback):
 
 def dp_ranks(trainer) -> list[int]:
     """The data-parallel rank of every global rank (ranks of one replica share one)."""
-    from parallama.parallel.base import Parallelism
+    from parallama.parallel.base import Parallelism  # start-up time (hydra)
 
     strategy = trainer.strategy
     if isinstance(strategy, Parallelism):

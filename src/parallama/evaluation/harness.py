@@ -16,14 +16,13 @@ import torch.distributed as dist
 
 from parallama.errors import ConfigError
 from parallama.evaluation.lm import ParallamaLM
+from parallama.evaluation.tasks import build
 
 
 def task_manager(tasks: list[str], cache_dir: str, task_dirs=()):
     """lm-eval's TaskManager over the embedded tasks (built under `cache_dir`) and `task_dirs`, and lm-eval's
     own tasks when `tasks` names one of those; a task it does not know is a ConfigError."""
-    from lm_eval.tasks import TaskManager
-
-    from parallama.evaluation.tasks import build
+    from lm_eval.tasks import TaskManager  # start-up time (datasets)
 
     include = [str(build(cache_dir)), *map(str, task_dirs)]
     manager = ours = TaskManager(include_path=include, include_defaults=False)
@@ -46,8 +45,8 @@ def evaluate(
     """Scores of `tasks`, {task: {metric: value}}, the same on every rank. lm-eval's `evaluate`, not
     `simple_evaluate`: that one reseeds the global RNGs (a training run's) and collects environment
     information at each call."""
-    from lm_eval import evaluator
-    from lm_eval.tasks import get_task_dict
+    from lm_eval import evaluator  # start-up time (datasets)
+    from lm_eval.tasks import get_task_dict  # start-up time (datasets)
 
     with without_progress_bars():
         task_dict = get_task_dict(list(tasks), task_manager(tasks, cache_dir, task_dirs))

@@ -28,6 +28,7 @@ from lm_eval.api.registry import register_model
 from tokenizers import Tokenizer
 
 from parallama.errors import ConfigError
+from parallama.models.generation import generate
 from parallama.tokenizer import special_ids
 
 
@@ -53,7 +54,7 @@ class ParallamaLM(TemplateLM):
     ) -> None:
         super().__init__()
         if model is None:
-            from parallama.checkpoint.read import load_model
+            from parallama.checkpoint.read import load_model  # start-up time (hydra)
 
             model, tokenizer = load_model(ckpt_path, model_dir)
             model.to(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))).eval()
@@ -151,7 +152,6 @@ class ParallamaLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, `do_sample`/`temperature`) continuations cut at the first `until` string, with the
         KV cache. Batches hold prompts of one length (no padding) and one set of generation settings."""
-        from parallama.models.generation import generate
 
         groups = defaultdict(list)
         for i, (context, gen_kwargs) in enumerate(req.args for req in requests):

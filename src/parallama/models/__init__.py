@@ -43,6 +43,7 @@ from pathlib import Path
 from types import ModuleType
 
 from parallama.errors import ConfigError
+from parallama.models.contract import check_config
 
 DEFAULT_FAMILY = "llama"  # checkpoints written before families existed are Llamas
 
@@ -78,7 +79,6 @@ class ModelSpec:
     def build_config(self, model: Mapping):
         """The family's config from a model config (conf/model or a checkpoint's hyper-parameters): a bad value
         or an unknown field is one line naming the key."""
-        from parallama.models.contract import check_config
 
         try:
             config = self.config(**{k: v for k, v in model.items() if k != "family"})
@@ -93,7 +93,7 @@ class ModelSpec:
     def shapes(self, model: Mapping):
         """(the family's model on the meta device, its config): what checks and plans read of a model's linears
         and parameters before any is allocated."""
-        import torch  # the command line's checks stay without torch until one needs a model's shapes
+        import torch  # torch-free module: the command line's checks need torch only for a model's shapes
 
         config = self.build_config(model)
         with torch.device("meta"):

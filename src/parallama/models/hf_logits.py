@@ -67,7 +67,7 @@ def check_logits(model: torch.nn.Module, folder: str | os.PathLike, family: str,
     says what was checked. Where it cannot run, that line (`unverifiable`)."""
     if reason := unverifiable(model, what):
         return reason
-    import transformers
+    import transformers  # optional dependency (transformers)
 
     # quiet: its load report and progress bar (the folder's tensors are checked by name already)
     verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()

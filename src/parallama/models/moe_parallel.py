@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+from parallama.distributed.blocks import fsdp_kwargs
 from parallama.models.moe import GroupedExperts, moe_blocks
 from parallama.runtime import compat
 
@@ -70,7 +73,6 @@ class ExpertParallel:
     combine: the outputs go back in their source's order (the inverse all-to-all)."""
 
     def __init__(self, experts: GroupedExperts, mesh):
-        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
         self.group, self.ep = mesh.get_group(), mesh.size()
 
@@ -104,9 +106,6 @@ def apply_ep(model, options) -> None:
     (`ExpertParallel`), then FSDP2 on their shards over the data-parallel ranks ep does not use (dp_shard // ep,
     and dp_replicate), before FSDP wraps the blocks (which then leaves the experts to it). Each expert's gradient
     adds up its tokens from the whole ep group: FSDP divides it by the data-parallel size, not by its mesh's."""
-    from torch.distributed.fsdp import fully_shard
-
-    from parallama.distributed.blocks import fsdp_kwargs
 
     dims = options.dims
     mesh = dims.build_expert_mesh(options.mesh.device_type)

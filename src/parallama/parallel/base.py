@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from parallama.checkpoint import universal
 from parallama.checkpoint.formats import LIGHTNING_TENSORS
+from parallama.config.parts import locate_target
 from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import Float8Options, ParallelizeOptions
 from parallama.rules import Rule
@@ -213,7 +214,6 @@ def strategy_class(strategy: DictConfig) -> type[Parallelism] | None:
     """The Parallelism class a `strategy` config node names by `_target_`: what declares its keys and refusals.
     None for a factory function (`auto`) or a Lightning strategy of the user's own; one line if it does not
     import."""
-    from parallama.config.parts import locate_target
 
     target = strategy.get("_target_")
     if not target:

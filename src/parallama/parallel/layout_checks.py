@@ -14,6 +14,7 @@ from parallama.distributed.dims import dims_of_config
 from parallama.distributed.options import FORWARDS_FIRST, SINGLE_STAGE, V_SHAPED, stages_per_rank
 from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
 from parallama.errors import ConfigError
+from parallama.models import model_spec
 
 
 def check_layout(cfg: DictConfig, on_gpu: bool) -> None:
@@ -142,9 +143,7 @@ def _check_model_parts(cfg: DictConfig, dims) -> None:
     """A part of the model that has rules for a layout says so itself: each module with a `layout_refusal(dims)`
     (models/llama/model.py `Attention`: a pattern of its own under cp) is asked, on the model built on the meta
     device (no memory, no weights), before any rank starts."""
-    import torch
-
-    from parallama.models import model_spec
+    import torch  # torch-free module
 
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     fields["vocab_size"] = fields.get("vocab_size") or 64  # filled in from the tokenizer later: any size does

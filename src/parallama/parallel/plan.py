@@ -14,7 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from parallama import CONF_DIR
+from parallama.config.parts import locate_target
+from parallama.distributed.options import ACOptions
 from parallama.errors import ConfigError
 
 GUIDE = ("ddp", "sharded", "fully sharded", "model parallel", "offload")  # docs/strategies.md's order
@@ -50,10 +54,8 @@ def profiles(conf_dirs: list[Path] | None = None) -> dict[str, MemoryProfile]:
 def declared_strategies(conf_dirs: list[Path]) -> dict[str, type]:
     """conf/strategy/<name>.yaml -> its class, for every config whose `_target_` is a Parallelism class
     (the first directory that has a name wins, as in Hydra's search path)."""
-    from omegaconf import OmegaConf
 
-    from parallama.config.parts import locate_target
-    from parallama.parallel.base import Parallelism
+    from parallama.parallel.base import Parallelism  # torch-free module
 
     found: dict[str, type[Parallelism]] = {}
     for conf_dir in conf_dirs:
@@ -148,7 +150,6 @@ def activation_bytes(
     the residual stream. The projections' inputs (and the head's) are gathered whole under either.
     `head=False`: the blocks only (a pipeline stage without the head).
     """
-    from parallama.distributed.options import ACOptions
 
     ac = ACOptions.of(checkpointing)
     h, i, n = c.hidden_size, c.intermediate_size, c.num_hidden_layers
@@ -232,7 +233,6 @@ def moe_activation_bytes(c, tokens: int, e: int, checkpointing, *, tp: int = 1, 
     saved ops) where the dense one kept gate and up, plus one block recomputing. Under ep (> 1) one block's
     dispatch and combine hold a send and a receive buffer of k h e per token at once (balanced routing: a rank
     receiving c times its share holds c times the receive buffer)."""
-    from parallama.distributed.options import ACOptions
 
     sparse = sparse_blocks(c)
     if not sparse:

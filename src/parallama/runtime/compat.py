@@ -205,7 +205,7 @@ def check_internals(strategy_internals: Sequence[Internal] = ()) -> None:
 
 
 def dcp_metadata_private_types() -> list:
-    import torch
+    import torch  # torch-free module
     from torch.distributed.checkpoint import filesystem, metadata
 
     return [filesystem._StorageInfo, metadata._MEM_FORMAT_ENCODING, torch.serialization._get_layout]
@@ -213,7 +213,7 @@ def dcp_metadata_private_types() -> list:
 
 def setup_deepspeed_environment_on_cpu(strategy) -> None:
     """DeepSpeedStrategy.setup_environment minus its CUDA check: the DDP setup under it."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy  # torch-free module
 
     super(DeepSpeedStrategy, strategy).setup_environment()
 
@@ -232,7 +232,7 @@ def keep_configured_gradient_clipping(engine) -> None:
 
 
 def deepspeed_changed(what: str) -> RuntimeError:
-    import deepspeed
+    import deepspeed  # torch-free module
 
     return RuntimeError(
         f"DeepSpeed {deepspeed.__version__}: {what} is not where parallama.runtime.compat expects it "
@@ -304,8 +304,8 @@ def enable_cpu_ring_attention() -> None:
     """Let torch's `context_parallel` run on CPU: the CPU flash-attention kernel, called with DTensor q/k/v
     sharded on the sequence, goes to torch's ring (`_templated_ring_attention`) with that kernel as the local op,
     exactly as the CUDA kernels do. Idempotent; on CUDA nothing calls the CPU kernel."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
+    import torch  # torch-free module
+    from torch.distributed.tensor import DTensor, Shard  # torch-free module
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     aten = torch.ops.aten
@@ -358,7 +358,7 @@ def forward_only(schedule):
     """A pipeline schedule (a `_PipelineScheduleRuntime`) that runs only its forward computation and the
     forward sends/receives, and its parameter gathers, while the context lasts: every rank's action list
     filtered alike, so the sends still meet their receives."""
-    from torch.distributed.pipelining.schedules import _ComputationType as Action
+    from torch.distributed.pipelining.schedules import _ComputationType as Action  # torch-free module
 
     keep = {Action.FORWARD, Action.SEND_F, Action.RECV_F, Action.UNSHARD, Action.RESHARD}
 
@@ -387,7 +387,7 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """Rows of `x` sorted by group, group g (rows offsets[g-1]:offsets[g]) times w[g].T: torch's grouped GEMM in
     bf16 and on CPU (its kernels there), else one matmul per group. Its CPU backward fails on no rows; under
     torch.compile its shape function takes bf16 only (torch 2.13), also where the CPU kernel runs fp32."""
-    import torch
+    import torch  # torch-free module
 
     cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
     if x.shape[0] and (cpu or x.dtype == torch.bfloat16):
@@ -399,7 +399,7 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 def recomputing_in_backward() -> bool:
     """Whether this forward runs inside backward: torch's non-reentrant activation checkpoint recomputes from an
     unpack hook, inside the autograd engine's graph task."""
-    import torch
+    import torch  # torch-free module
 
     return torch._C._current_graph_task_id() != -1
 
@@ -412,8 +412,12 @@ def outside_selective_checkpointing():
     'profiler._record_function_enter_new.default invocation index 2 encountered during backward but not found').
     The checkpoint's saved-tensor hooks still hold, so the region is recomputed whole, as under full
     checkpointing (the all-to-alls again), the rest of the block per op."""
+    # torch-free module
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    from torch.utils.checkpoint import (  # torch-free module
+        _CachedTorchDispatchMode,
+        _CachingTorchDispatchMode,
+    )
 
     sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
     if any(isinstance(mode, sac) for mode in _get_current_dispatch_mode_stack()):

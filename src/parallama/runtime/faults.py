@@ -55,6 +55,7 @@ def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 def check_multi_node(num_nodes: int) -> None:
     """Without a launcher that starts the other nodes, Lightning would wait for their ranks forever."""
+    # torch-free module
     from lightning.fabric.plugins.environments import (
         LSFEnvironment,
         SLURMEnvironment,
@@ -81,7 +82,7 @@ class _RankWatch(threading.Thread):
     """
 
     def __init__(self, trainer, output_dir: str, period: float = 1.0, grace: float = 20.0) -> None:
-        from lightning.fabric.plugins.environments import LightningEnvironment
+        from lightning.fabric.plugins.environments import LightningEnvironment  # torch-free module
 
         super().__init__(daemon=True, name="parallama-rank-watch")
         self.trainer, self.output_dir, self.period, self.grace = trainer, output_dir, period, grace
@@ -104,7 +105,7 @@ class _RankWatch(threading.Thread):
         return f"error: {who} at step {self.trainer.global_step}; {last_checkpoint_note(self.output_dir)}"
 
     def run(self) -> None:
-        from lightning.pytorch.trainer.states import TrainerStatus
+        from lightning.pytorch.trainer.states import TrainerStatus  # torch-free module
 
         while not self.stopped.wait(self.period):
             who = self.dead_rank() if self.trainer.state.status == TrainerStatus.RUNNING else None

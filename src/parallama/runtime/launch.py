@@ -14,16 +14,22 @@ the finished job's.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
+from hydra.utils import get_original_cwd
 
 # Set for the ranks a run starts itself: the rank that started them checked their job (app/compose.py `preflight`).
 CHECKED_ENV = "PARALLAMA_CONFIG_CHECKED"
@@ -33,6 +39,7 @@ _ranks: list[subprocess.Popen] = []  # the ranks this process started for the jo
 def needs_launch(processes_per_node: int) -> bool:
     """Whether this process must start this node's other ranks: more than one, and nobody started them (a
     launcher sets LOCAL_RANK, torchrun TORCHELASTIC_RUN_ID, a scheduler its own variables)."""
+    # torch-free module
     from lightning.fabric.plugins.environments import (
         LSFEnvironment,
         MPIEnvironment,
@@ -48,8 +55,6 @@ def needs_launch(processes_per_node: int) -> bool:
 
 def start_ranks(processes_per_node: int, num_nodes: int) -> None:
     """Start local ranks 1.. of this node, each running this Hydra job, and make this process local rank 0."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import get_original_cwd
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -57,7 +62,7 @@ def start_ranks(processes_per_node: int, num_nodes: int) -> None:
     os.environ["WORLD_SIZE"] = str(processes_per_node * num_nodes)
     os.environ["LOCAL_RANK"] = "0"
     if "OMP_NUM_THREADS" not in os.environ:  # the cores shared out, as Lightning and torchrun do
-        import torch
+        import torch  # torch-free module
 
         threads = max(1, (os.cpu_count() or 1) // processes_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -121,7 +126,6 @@ class JobReturnFile(Callback):
     metric) back through the file the launcher named in JOB_RETURN_ENV."""
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-        from hydra.core.utils import JobStatus
 
         path = os.environ.get(JOB_RETURN_ENV)
         if path and job_return.status == JobStatus.COMPLETED:
@@ -151,7 +155,7 @@ class JobIsolation(Callback):
             os.environ["MASTER_PORT"] = str(free_port())
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch-free module
 
         deepspeed_comm = sys.modules.get("deepspeed.comm")  # DeepSpeed caches the groups it made: close them
         if deepspeed_comm is not None and deepspeed_comm.is_initialized():
@@ -245,7 +249,6 @@ def use_private_torch_extensions() -> None:
     every environment). Two environments then rebuild each other's ops, and a build killed midway leaves a lock
     on which every later run waits forever. So: one directory per Python environment, and a lock older than any
     build is removed (with a warning) instead of waited on (`remove_stale_build_locks`). Ranks started later inherit the variable."""
-    import hashlib
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
@@ -265,8 +268,6 @@ def remove_stale_build_locks(root: Path) -> list[Path]:
     go, for ever: a build killed mid-way (kill -9) leaves it, and every later DeepSpeed run hung silently at
     "initializing deepspeed distributed". A lock older than STALE_LOCK_SECONDS whose folder no process works in
     (none has its cwd there: torch runs ninja in it) has no owner: removed, said in one line."""
-    import logging
-    import time
 
     removed = []
     for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:  # TORCH_EXTENSIONS_DIR, or torch's py3x_cpu/

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from parallama.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, exit_status
+from parallama.training.report import final_metrics
 
 DONE, DIVERGED, FAILED, STOPPED = "done", "diverged", "failed", "stopped"  # diverged: a result of the search
 RESULTS = "sweep_results.csv"
@@ -60,7 +61,6 @@ class Outcome:
 
 def outcomes(results: Sequence[JobReturn], first_number: int) -> list[Outcome]:
     """How each job of a launch ended, numbered from `first_number` as the launcher numbered them."""
-    from parallama.training.report import final_metrics
 
     found = []
     for number, result in enumerate(results, first_number):
@@ -94,7 +94,6 @@ def job_error(result: JobReturn) -> Exception | None:
 def _run_dir(result: JobReturn) -> str:
     """A job's run directory, absolute: its Hydra output dir (a submitit job's `working_dir` is the directory
     it was submitted from, since jobs do not chdir)."""
-    from omegaconf import OmegaConf
 
     hydra_cfg = getattr(result, "hydra_cfg", None)
     output_dir = OmegaConf.select(hydra_cfg, "hydra.runtime.output_dir") if hydra_cfg is not None else None

@@ -35,6 +35,7 @@ from parallama.errors import ConfigError
 from parallama.runtime.faults import run_checkpoints
 from parallama.runtime.launch import JOB_CORES_ENV, JOB_RETURN_ENV, free_port, job_command
 from parallama.sweeps.jobs import FAILED, STOPPED, JobEnded, SweepInterrupted
+from parallama.training.report import final_metrics
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class DeviceLauncher(Launcher):
         if self.devices is not None:
             return [str(d) for d in self.devices]
         if gpu:
-            import torch
+            import torch  # torch-free module
 
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -210,7 +211,6 @@ def rejoin(job: _Job, cfg: DictConfig) -> None:
     finished (its final metrics at trainer.max_steps) is done, not run again, where its resume was refused as
     "nothing is left to train"; one that wrote no checkpoint (killed before its first save, or never started)
     starts afresh."""
-    from parallama.training.report import final_metrics
 
     metrics, steps = final_metrics(job.dir), cfg.trainer.max_steps
     if metrics is not None and (steps is None or steps <= 0 or metrics.get("step", -1) >= steps):

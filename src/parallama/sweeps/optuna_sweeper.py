@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -58,7 +59,6 @@ class OptunaPruningSweeper(Sweeper):
         self.other_settings = other_settings  # continue a study whose trials ran under other fixed settings
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
-        from hydra.core.plugins import Plugins
 
         self.config = config
         self.launcher = Plugins.instance().instantiate_launcher(
@@ -67,9 +67,9 @@ class OptunaPruningSweeper(Sweeper):
 
     @jobs.one_line_errors
     def sweep(self, arguments: list[str]) -> list:
-        import optuna
+        import optuna  # start-up time (optuna)
 
-        from parallama.sweeps.pruning import sqlite_storage
+        from parallama.sweeps.pruning import sqlite_storage  # torch-free module
 
         optuna.logging.set_verbosity(
             optuna.logging.WARNING
@@ -154,7 +154,7 @@ class OptunaPruningSweeper(Sweeper):
         """Trials left running by an interrupted sweep: one whose fit had ended is told its value (or pruned);
         the others failed, and run their parameters again, first, from the trial's last.ckpt when it wrote one. A new study starts with `enqueue_trials` (settings known to be good,
         or bad, to compare against)."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # start-up time (optuna)
 
         trials = study.get_trials(deepcopy=False)
         if not trials:
@@ -184,7 +184,7 @@ class OptunaPruningSweeper(Sweeper):
 
     def tell(self, study, trial, result) -> Exception | None:
         """Tell the study how the trial's job ended; a failure other than divergence is returned."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # start-up time (optuna)
 
         if "output_dir" not in trial.user_attrs:  # set by the job's pruning callback, if it has one
             trial.set_user_attr("output_dir", str(Path(job_output_dir(result)).resolve()))
@@ -206,7 +206,7 @@ class OptunaPruningSweeper(Sweeper):
         return None
 
     def report(self, study, sweep_dir: Path) -> None:
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # start-up time (optuna)
 
         states = [t.state for t in study.get_trials(deepcopy=False)]
         counts = {s.name.lower(): states.count(s) for s in TrialState if s != TrialState.WAITING}
@@ -228,7 +228,7 @@ class OptunaPruningSweeper(Sweeper):
 
 def finished(study) -> int:
     """Trials that count towards n_trials: completed, pruned, or failed by diverging (not interrupted)."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # start-up time (optuna)
 
     done = (TrialState.COMPLETE, TrialState.PRUNED)
     trials = study.get_trials(deepcopy=False)
@@ -251,6 +251,7 @@ def search_space(arguments: list[str], params: dict) -> tuple[list[str], dict]:
 
 def distribution(override):
     """An Optuna distribution for one swept key, as hydra-optuna-sweeper read them."""
+    # start-up time (optuna)
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     value, key = override.value(), override.get_key_element()

@@ -24,7 +24,7 @@ log = logging.getLogger("parallama")
 
 def sqlite_storage(url: str):
     """The study's database, waiting on a lock instead of failing while other trials write to SQLite."""
-    import optuna
+    import optuna  # start-up time (optuna)
 
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
@@ -44,7 +44,7 @@ class OptunaPruning(Callback):
     def trial(self):
         """The running trial, from the study's database (rank 0 only)."""
         if self._trial is None:
-            import optuna
+            import optuna  # start-up time (optuna)
 
             storage = sqlite_storage(self.storage)
             study = optuna.load_study(study_name=self.study_name, storage=storage, pruner=self.pruner)
@@ -85,7 +85,7 @@ class OptunaPruning(Callback):
         job will return: a sweep stopped between the end of fit and the job's exit still scores the trial."""
         if self.trial_number is None or not trainer.is_global_zero:
             return
-        from parallama.training.callbacks import LastCheckpoint
+        from parallama.training.callbacks import LastCheckpoint  # start-up time (hydra)
 
         if (value := trainer.callback_metrics.get(self.monitor)) is not None:
             self.trial().set_user_attr("fit_value", float(value))

@@ -15,7 +15,14 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.callbacks import RichModelSummary as LightningRichModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_summary.model_summary import (
+    get_formatted_model_size,
+    get_human_readable_count,
+)
+from rich import get_console
+from rich.table import Table
 
+from parallama.distributed.float8 import precompute_scales
 from parallama.errors import Preempted
 from parallama.runtime.faults import resume_overrides
 from parallama.runtime.launch import requeue_slurm_job
@@ -83,12 +90,6 @@ class RichModelSummary(LightningRichModelSummary):
         total_flops: int = 0,
         **summarize_kwargs,
     ) -> None:
-        from lightning.pytorch.utilities.model_summary.model_summary import (
-            get_formatted_model_size,
-            get_human_readable_count,
-        )
-        from rich import get_console
-        from rich.table import Table
 
         columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
@@ -340,6 +341,5 @@ class Float8Scales(Callback):
     for a model without such weights. parallama-train adds it when `float8` is set."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from parallama.distributed.float8 import precompute_scales
 
         precompute_scales(pl_module.model)

@@ -18,6 +18,7 @@ from argparse import Namespace
 from contextlib import suppress
 
 import lightning as L
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
@@ -71,7 +72,6 @@ class AppendingCSVLogger(Logger):
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
-        from lightning.pytorch.core.saving import save_hparams_to_yaml
 
         self.hparams.update(vars(params) if isinstance(params, Namespace) else dict(params))
         os.makedirs(self.log_dir, exist_ok=True)

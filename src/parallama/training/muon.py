@@ -28,7 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from parallama.errors import ConfigError
 from parallama.training.muon_share import Piece, orthogonalized
@@ -244,7 +247,6 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _piece(self, update: Tensor, param) -> Piece:
         """`update` (this rank's piece of it) with the ranks that hold its matrix."""
-        from torch.distributed.tensor import DTensor, Replicate
 
         if isinstance(param, DTensor):
             grad = param.grad
@@ -253,21 +255,17 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _replica_mesh(self, device: torch.device):
         """torch.distributed's default group as a mesh, where whole matrices are replicas on its ranks (ddp)."""
-        import torch.distributed as dist
 
         if not (self._share_replicas and dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size() == 1:
             return None
         if self._replicas is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             self._replicas = DeviceMesh.from_group(dist.group.WORLD, device.type)
         return self._replicas
 
 
 def _local(tensor: Tensor) -> Tensor:
     """A DTensor's local shard (a view: in-place ops change the DTensor), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from parallama.training.newton_schulz import iteration_flops, orthogonalize
 
@@ -90,7 +91,6 @@ class Exchange:
     """One set of alike matrices on one mesh: each rank's owned ones brought to it whole, and their results back."""
 
     def __init__(self, pieces: list[Piece], share: list[int], dtype) -> None:
-        from torch.distributed.tensor import Shard
 
         first = pieces[0]
         self.pieces, self.mesh, self.dtype = pieces, first.mesh, dtype
@@ -122,7 +122,6 @@ class Exchange:
         return [mine[..., slot].to(piece.local.device) for slot, piece in zip(self.slot_of, self.pieces)]
 
     def _dtensor(self, local: Tensor, placements):
-        from torch.distributed.tensor import DTensor
 
         rows, cols, slots = self.shape
         return DTensor.from_local(

@@ -9,6 +9,11 @@ import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.syntax import Syntax
+
+from parallama.distributed.dims import dims_of_config
+from parallama.models import DEFAULT_FAMILY
 
 log = logging.getLogger("parallama")
 
@@ -32,9 +37,9 @@ def one_console_for_lightning() -> None:
 
 def generate_sample(module, datamodule, cfg: DictConfig) -> str | None:
     """Every rank generates (sharded models need all ranks in each forward); the same seed gives the same text."""
-    import torch
+    import torch  # torch-free module
 
-    from parallama.models.generation import generate
+    from parallama.models.generation import generate  # torch-free module
 
     if module.model is None:
         return None
@@ -66,7 +71,7 @@ def print_config(cfg: DictConfig) -> None:
     """The whole config goes to the run directory (resolved_config.yaml, beside Hydra's .hydra/config.yaml); the
     console gets the command line's overrides, and the whole config only with `print_config=true` (highlighted on a
     terminal, in full width in a log file): 154 of a default run's 187 lines were the config."""
-    from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.utilities import rank_zero_only  # torch-free module
 
     if rank_zero_only.rank != 0:
         return
@@ -80,8 +85,6 @@ def print_config(cfg: DictConfig) -> None:
             f"{out / 'resolved_config.yaml'} (print_config=true prints it)"
         )
         return
-    from rich.console import Console
-    from rich.syntax import Syntax
 
     console = Console()
     if console.is_terminal:
@@ -92,15 +95,13 @@ def print_config(cfg: DictConfig) -> None:
 
 def command_line_overrides() -> list[str]:
     """The overrides of the running Hydra job (none outside Hydra: a config composed in Python)."""
-    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig  # start-up time (hydra)
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def run_facts(cfg: DictConfig, trainer, model_config, tokens: int) -> str:
     """The run in one line: the model, the data and its tokenizer, the steps and their batch, the machine."""
-    from parallama.distributed.dims import dims_of_config
-    from parallama.models import DEFAULT_FAMILY
 
     family = cfg.model.get("family") or DEFAULT_FAMILY
     source = cfg.data.get("source") or {}
@@ -129,9 +130,9 @@ def validation_off(cfg: DictConfig) -> str | None:
 
 
 def report(trainer, output_dir: str, sample: str | None, off: str | None = None) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint  # torch-free module
 
-    from parallama.training.callbacks import LastCheckpoint
+    from parallama.training.callbacks import LastCheckpoint  # torch-free module
 
     if trainer.global_rank != 0:
         return

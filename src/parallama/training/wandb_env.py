@@ -3,13 +3,13 @@ it before any work, the loggers when they pick `mode: auto` (training/loggers.py
 
 from __future__ import annotations
 
+import netrc
 import os
+from urllib.parse import urlparse
 
 
 def wandb_api_key_configured() -> bool:
     """WANDB_API_KEY, or `wandb login`'s netrc entry for the W&B host."""
-    import netrc
-    from urllib.parse import urlparse
 
     if os.environ.get("WANDB_API_KEY"):
         return True

@@ -21,6 +21,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import yaml
 
@@ -37,7 +38,6 @@ SEED = 1234
 def paragraphs() -> list[str]:
     """Prose paragraphs of the help topics, whitespace-normalized, in a fixed order: 12 to 60 words, starting
     with a capital letter, ending with a full stop, mostly words (not code)."""
-    from pydoc_data.topics import topics
 
     out = []
     for key in sorted(topics):

@@ -24,6 +24,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
 from parallama.distributed.blocks import apply_ac, apply_compile, apply_fsdp, check_tp_plan_covers
 from parallama.distributed.float8 import apply_float8, float8_tp_style
 from parallama.distributed.options import ParallelizeOptions
@@ -73,7 +82,7 @@ def parallelize(model: Llama, options: ParallelizeOptions, *, block_plan: BlockP
 def data_parallel_mesh(options: ParallelizeOptions):
     """The mesh FSDP shards over: `dp_shard`, or the 2-D (dp_replicate, dp_shard) of HSDP; with context parallel
     the cp ranks are folded into dp_shard (they average their gradients too: distributed/context.py)."""
-    from parallama.distributed.context import data_parallel_mesh as with_cp
+    from parallama.distributed.context import data_parallel_mesh as with_cp  # start-up time (tokenizers)
 
     return with_cp(options.mesh, options.dims)
 
@@ -89,13 +98,6 @@ BlockPlan = Callable[..., dict]
 def tp_block_plan(*, sequence_parallel: bool, between) -> dict:
     """The Llama block's tensor-parallel plan (see `apply_tp`); `between`: the residual stream's layout between
     blocks (Shard(1) under sequence parallel, else Replicate())."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
 
     plan = {
         "input_layernorm": REPLICATED,
@@ -152,13 +154,6 @@ def apply_tp(
     `block_plan` gives each block's plan (a family's own: models/qwen3). Every parameter must then be a DTensor
     on `mesh` or one the plan keeps `REPLICATED`: one it does not cover is refused (`check_tp_plan_covers`).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
 
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between blocks
     root = {

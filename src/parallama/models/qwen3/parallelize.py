@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 
+from torch.distributed.tensor.parallel import SequenceParallel
+
 from parallama.models.llama.parallelize import parallelize as llama_parallelize
 from parallama.models.llama.parallelize import tp_block_plan
 
 
 def qwen3_block_plan(*, sequence_parallel: bool, between) -> dict:
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     plan = tp_block_plan(sequence_parallel=sequence_parallel, between=between)
     plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

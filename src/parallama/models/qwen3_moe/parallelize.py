@@ -7,6 +7,9 @@ add up over those), and with `strategy.ep` > 1 the experts are sharded over the 
 
 from __future__ import annotations
 
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, RowwiseParallel
+
 from parallama.models.llama.parallelize import REPLICATED
 from parallama.models.llama.parallelize import parallelize as llama_parallelize
 from parallama.models.moe_parallel import apply_ep, set_count_group
@@ -18,8 +21,6 @@ def moe_block_plan(*, sequence_parallel: bool, between) -> dict:
     experts REPLICATED; the dense MLP of `mlp_only_layers` column- and row-wise, its output whole. Under
     sequence parallel the feed-forward's input is gathered and its output split on the sequence at its border
     (for the dense MLP an all-reduce and a slice where the Llama reduce-scatters: one key, two kinds of block)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, RowwiseParallel
 
     plan = qwen3_block_plan(sequence_parallel=sequence_parallel, between=between)
     plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Replicate())

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from omegaconf import DictConfig
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
+from parallama.checkpoint.zero import load_into_deepspeed
 from parallama.config.schema import BOOL
 from parallama.errors import ConfigError
 from parallama.parallel.base import PROCESS_GROUP_BACKEND, Parallelism
@@ -118,7 +119,7 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         if not params:
             yield False
             return
-        import deepspeed
+        import deepspeed  # start-up time (deepspeed)
 
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             yield True
@@ -144,7 +145,7 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
             return super().build_optimizer(factory, groups)
         if message := offload_refusal(factory.func):
             raise ConfigError(message)
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # the optimizer DeepSpeed's offload runs on CPU
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # start-up time (deepspeed): offload's CPU Adam
 
         settings = {k: v for k, v in factory.keywords.items() if k in CPU_ADAM_KEYS}
         return DeepSpeedCPUAdam(groups, adamw_mode=factory.func is torch.optim.AdamW, **settings)
@@ -175,7 +176,6 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         return checkpoint
 
     def load_universal(self, state) -> None:
-        from parallama.checkpoint.zero import load_into_deepspeed
 
         load_into_deepspeed(self, self.lightning_module, state.model, state.optimizer)
 
@@ -206,7 +206,6 @@ def _say_if_ops_will_build(local_rank: int) -> None:
 
 def offload_refusal(optimizer_class: type) -> str | None:
     """Why DeepSpeed's optimizer offload, which steps with its own CPU Adam, cannot run `optimizer_class`."""
-    import torch
 
     if optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
         return None

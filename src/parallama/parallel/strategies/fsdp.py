@@ -11,6 +11,12 @@ from typing import ClassVar, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 
 from parallama.checkpoint.atomic import AtomicFolderCheckpoints
 from parallama.config.schema import BOOL, check_arguments
@@ -148,7 +154,6 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         only its buffers (the rotary tables); the rest of the module (the metrics) goes whole."""
         if not self.cpu_offload:
             return super().model_to_device()
-        from torch.distributed.fsdp import FSDPModule
 
         for child in self.model.children():
             if not any(isinstance(m, FSDPModule) for m in child.modules()):
@@ -161,7 +166,6 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
     def setup_optimizers(self, trainer) -> None:
         """The optimizer must hold the sharded parameters. Under cpu_offload FSDP2 leaves the blocks' gathered ones
         registered after the first forward (validate_before_training's), so every module is resharded first."""
-        from torch.distributed.fsdp import FSDPModule
 
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
@@ -179,11 +183,6 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         return info
 
     def load_universal(self, state) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
         module, full = self.lightning_module, StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(module, state.model, options=full)

@@ -18,11 +18,17 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from parallama.config.schema import BOOL, SOME
 from parallama.distributed.dims import DP_SIZE, SIZE
 from parallama.distributed.options import SCHEDULES as PIPELINE_SCHEDULES
 from parallama.distributed.options import ZERO_BUBBLE, ParallelizeOptions, PipelineOptions, stages_per_rank
+from parallama.distributed.pipeline import Pipeline, local_part
 from parallama.parallel.plan import MemoryProfile
 from parallama.parallel.strategies.fsdp import FSDP2, FSDPKeys
 from parallama.rules import Rule, key
@@ -143,12 +149,8 @@ class ModelParallel(FSDP2):
         the schedule runs."""
         model = super().parallelize(model, plan, **kwargs)
         if self.dims.pp > 1:
-            from parallama.distributed.pipeline import Pipeline
-
             options, pp_group = self.pipeline_options(), self.mesh["pp"].get_group()
             if options.schedule in ZERO_BUBBLE and self.reshard_after_forward:
-                from lightning.pytorch.utilities import rank_zero_info
-
                 rank_zero_info(
                     f"strategy.pp_schedule={options.schedule} defers weight gradients: each stage's parameters "
                     "stay gathered from forward to backward (strategy.reshard_after_forward is taken as false)"
@@ -174,7 +176,6 @@ class ModelParallel(FSDP2):
         """Cross-entropy on the vocab-sharded logits: no rank gathers the full (batch, seq, vocab) tensor."""
         if self.dims.tp == 1:
             return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
 
@@ -196,7 +197,6 @@ class ModelParallel(FSDP2):
     def clip_gradients(self, optimizer, clip_val: float, algorithm) -> None:
         """By norm: torch's clip_grad_norm_ cannot add up norms of DTensors that live on different meshes (TP's 2-D
         weights, FSDP's 1-D norms), and a pipeline's stages are on other ranks: ours does both."""
-        from lightning.pytorch.utilities import GradClipAlgorithmType
 
         if GradClipAlgorithmType(algorithm) != GradClipAlgorithmType.NORM:
             return super().clip_gradients(optimizer, clip_val, algorithm)
@@ -208,8 +208,6 @@ class ModelParallel(FSDP2):
     def load_universal(self, state) -> None:
         """A pipeline rank loads its stages' share of the full state (under the same names)."""
         if self.dims.pp > 1:
-            from parallama.distributed.pipeline import local_part
-
             state = local_part(state, self.lightning_module)
         super().load_universal(state)
 
@@ -218,7 +216,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
     """torch.nn.utils.clip_grad_norm_ for DTensor gradients on several meshes and placements: the norm of each
     group of gradients that share a mesh and placements, made global (`full_tensor`), then the norm of those.
     `group`: the ranks that hold the other parameters (pipeline stages), over which the norms add up."""
-    from torch.distributed.tensor import DTensor
 
     groups: dict = {}
     for p in parameters:
@@ -231,8 +228,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, group=N
     ]
     total = torch.nn.utils.get_total_norm(norms, norm_type)
     if group is not None:
-        import torch.distributed as dist
-
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
@@ -262,7 +257,6 @@ class FullLogits(torch.nn.Module):
 def full_copy(model: torch.nn.Module, build, device: torch.device) -> torch.nn.Module:
     """A plain model (`build(config)`) with `model`'s weights on `device`, on every rank (all ranks take part in the
     gather)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     with torch.device("meta"):
@@ -276,6 +270,5 @@ def full_copy(model: torch.nn.Module, build, device: torch.device) -> torch.nn.M
 def _full_tensor(t):
     """A DTensor (the parallel loss, vocab-sharded logits, a partial norm) as a plain full tensor, keeping
     autograd; a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t

@@ -138,7 +138,8 @@ SHARED_RUN = [
     "callbacks.progress_bar.line_every_n_steps=2",
     "callbacks.throughput.window_size=2",
     "callbacks.last_checkpoint.every_n_train_steps=3",
-    "callbacks.last_checkpoint.train_time_interval={_target_:datetime.timedelta,seconds:1}",
+    "~callbacks.last_checkpoint.train_time_interval.minutes",
+    "+callbacks.last_checkpoint.train_time_interval.seconds=1",
 ]
 
 

@@ -136,7 +136,8 @@ def exported(ckpt, out_dir) -> dict:
 
 
 def sample(log: str) -> str:
-    return log.split("sample:\n", 1)[1].split("\n[", 1)[0]
+    """The report's sample: the last thing a run logs (or followed by another log line)."""
+    return log.split("\nsample:\n", 1)[1].split("\n[", 1)[0].rstrip("\n")
 
 
 @pytest.mark.parametrize("name", PARITY)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parallama.app import run_dir
 from parallama.app.checks import check_config
 from parallama.app.run import train
-from parallama.app.run_dir import run_dir_made_in
 from parallama.cli import app
 from parallama.errors import EXIT_BAD_INPUT, ConfigError, RankDied, TrainingDiverged, exit_status
 from parallama.runtime import faults
@@ -32,15 +32,15 @@ def train_job(cfg: DictConfig) -> float | None:
         raise
 
 
-def _forget_refused_start(run_dir: Path) -> None:
-    """Remove `run_dir`, and the folders made for it, if this start made it (the preflight found none) and it holds
-    no checkpoint."""
-
-    if run_dir_made_in is None or any(run_dir.glob("checkpoints/*")):
+def _forget_refused_start(output_dir: Path) -> None:
+    """Remove `output_dir`, and the folders made for it, if this start made it (the preflight found none) and it
+    holds no checkpoint."""
+    made_in = run_dir.run_dir_made_in  # read now: the preflight sets it
+    if made_in is None or any(output_dir.glob("checkpoints/*")):
         return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in run_dir.absolute().parents:
-        if parent == run_dir_made_in.absolute() or any(parent.iterdir()):
+    shutil.rmtree(output_dir, ignore_errors=True)
+    for parent in output_dir.absolute().parents:
+        if parent == made_in.absolute() or any(parent.iterdir()):
             break
         parent.rmdir()
 

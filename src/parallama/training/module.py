@@ -397,3 +397,11 @@ class CausalLM(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self.tokenizer_json = checkpoint.get("tokenizer") or self.tokenizer_json
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """ddp_spawn's main process gets the ranks' trained weights back through this (Lightning's
+        `_recover_results_in_main_process`, non-strict) without ever building the model: build it first, so the
+        weights land (found: they were dropped, and a ddp_spawn run reported no sample)."""
+        if self.model is None and any(key.startswith("model.") for key in state_dict):
+            self.model = self.spec.model(self.config)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

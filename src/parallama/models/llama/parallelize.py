@@ -166,7 +166,8 @@ def apply_tp(
     }
     root["norm"] = SequenceParallel() if sequence_parallel else REPLICATED
     replicated = {name for name, style in root.items() if style is REPLICATED}
-    parallelize_module(model, mesh, {k: v for k, v in root.items() if k not in replicated})
+    present = {name for name, _ in model.named_children()}  # a pipeline stage holds some of them
+    parallelize_module(model, mesh, {k: v for k, v in root.items() if k in present and k not in replicated})
     if model.config.tie_word_embeddings:  # both are Shard(0) on the vocabulary: one parameter again
         model.lm_head.weight = model.embed_tokens.weight
     for key, block in model.layers.items():

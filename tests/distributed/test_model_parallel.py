@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 
 import pytest
 import torch
@@ -136,8 +137,8 @@ def exported(ckpt, out_dir) -> dict:
 
 
 def sample(log: str) -> str:
-    """The report's sample: the last thing a run logs (or followed by another log line)."""
-    return log.split("\nsample:\n", 1)[1].split("\n[", 1)[0].rstrip("\n")
+    """The report's sample: the last thing a run logs, up to a log line or another rank's warning (a path)."""
+    return re.split(r"\n(?=\[|/)", log.split("\nsample:\n", 1)[1], maxsplit=1)[0].rstrip("\n")
 
 
 @pytest.mark.parametrize("name", PARITY)

@@ -44,7 +44,7 @@ class AtLeastOneValBatch(Callback):
     """`trainer.limit_val_batches` as a fraction validates at least one batch, as a fraction means in
     lightning-hydra-template's configs (0.1 of a small validation split): Lightning refuses a fraction that
     selects no batch (0.1 x 3 batches < 1). Set when the data module is set up, before Lightning counts the
-    batches."""
+    batches. Test: tests/integration/test_lht_port.py (LHT's own `limit_val_batches=0.1`)."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         limit, data = trainer.limit_val_batches, trainer.datamodule
@@ -65,7 +65,8 @@ class StepNumbers(Callback):
     metric as the row's step (LoggerConnector.log_metrics), so this logs the optimizer steps as `step`
     wherever the module logs: after each training batch and at the end of each validation. A CPU tensor: a
     Python number would become a tensor on the GPU, which waits for it (training/syncs.py). The rows that
-    callbacks write themselves (training/monitors.py: tokens/s, learning rates) use the same numbering."""
+    callbacks write themselves (training/monitors.py: tokens/s, learning rates) use the same numbering.
+    Test: tests/integration/test_cli.py::test_console_csv_and_checkpoint_names_number_steps_alike."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("step", torch.tensor(float(trainer.global_step)))
@@ -78,7 +79,8 @@ class RichModelSummary(LightningRichModelSummary):
     """Lightning's RichModelSummary without its FLOPs column and "Total FLOPs" line, its counts on one line.
     Lightning counts FLOPs only by running the module's `example_input_array`, which a CausalLM has none of (a
     forward of the whole model at fit start), so they read 0. The model's FLOPs per token are in the loggers'
-    hyper-parameters (`model/flops_per_token`) and the TokenThroughputMonitor's FLOP/s."""
+    hyper-parameters (`model/flops_per_token`) and the TokenThroughputMonitor's FLOP/s. Kept for
+    tests/integration/test_cli.py::test_a_run_prints_no_known_noise and ::test_a_default_run_prints_at_most_40_lines."""
 
     @staticmethod
     def summarize(
@@ -137,7 +139,7 @@ class PreemptionCheckpoint(Callback):
     the step's metrics to the loggers (which it flushes as the run ends): no validation or other end-of-run work,
     since a scheduler's grace period is short. Lightning's own SIGTERM
     handler is replaced once the loop starts (it broadcasts from inside the handler, which deadlocks ranks that
-    are in another collective); from `setup` until Lightning registers its own, this one is in place. Under
+    are in another collective: tests/distributed/test_faults.py::test_fsdp_sigterm_to_rank_0_stops_every_rank); from `setup` until Lightning registers its own, this one is in place. Under
     SLURM with `SLURMEnvironment(auto_requeue=True)` (Lightning's default there) its requeue signal (SIGUSR1, what
     `sbatch --signal=USR1@<s>` sends before the time limit) is taken too: saved the same way, then global rank 0
     requeues the job (`scontrol requeue`), which resumes from last.ckpt; Lightning's own handler would save from
@@ -269,6 +271,8 @@ class LastCheckpoint(Checkpoint):
     The last step is saved from the step itself, like the periodic saves, and not after the loop ends: by then
     Lightning has counted the epoch as finished, so extending the run (a higher max_steps) would skip the rest
     of the epoch. Like ModelCheckpoint it writes nothing under fast_dev_run or outside `fit`, and a step once.
+    Tests: tests/unit/test_training_callbacks.py::test_last_checkpoint_is_written_every_n_steps_and_or_every_t_and_at_the_end,
+    tests/integration/test_cli.py::test_last_checkpoint_every_n_steps_and_every_t.
     """
 
     def __init__(

@@ -39,7 +39,8 @@ class AppendingCSVLogger(Logger):
     """`<save_dir>/<name>/<version>/metrics.csv` (and `hparams.yaml`) that a resumed run, or another process of the
     same run (ddp_spawn's validate and fit workers), appends to; a new column rewrites the file with the union
     of the columns. Lightning's CSVLogger deletes an existing metrics.csv and keeps only the columns it logged
-    itself. Rows past a resumed checkpoint's step appear twice; the later row is the resumed run's."""
+    itself. Rows past a resumed checkpoint's step appear twice; the later row is the resumed run's. Test:
+    tests/unit/test_training_callbacks.py::test_the_csv_history_survives_a_resume_and_new_columns."""
 
     def __init__(
         self, save_dir: str, name: str = "csv", version: str = "", flush_logs_every_n_steps: int = 100
@@ -133,7 +134,8 @@ class PreemptibleWandbLogger(WandbLogger):
     (found under the tests' SLURM cluster). After a stop signal, the first call that finds the service gone is one
     warning, W&B is left alone, and the run saves and stops as without W&B; `ckpt_path=last` continues the W&B
     run. What the service had not written is lost to W&B (offline, under the test cluster: all of the cancelled
-    job's steps; metrics.csv has them). Without a signal a lost service stays an error."""
+    job's steps; metrics.csv has them). Without a signal a lost service stays an error. Test:
+    tests/slurm/test_srun.py::test_scancel_stops_every_rank_with_a_checkpoint_that_loads."""
 
     service_lost = False
 

@@ -26,7 +26,8 @@ class TokenThroughputMonitor(Callback):
     so the window there is the batches since the previous reads. FLOPs per batch come from the model config (6N +
     attention, see `LlamaConfig.flops_per_token`). Ranks that share a batch (tensor, context or pipeline parallel
     ones) each count their share of it (`ParallelDims.batch_share`), so totals count data-parallel replicas.
-    Computed on rank 0, like Lightning's.
+    Computed on rank 0, like Lightning's. Kept for tests/integration/test_host_syncs.py (no device read between
+    logging steps).
     """
 
     def __init__(self, window_size: int = 50, separator: str = "/") -> None:
@@ -123,7 +124,8 @@ class LearningRates(Callback):
     loss), on logging steps: `lr-<name>/pg<i>` as Lightning's LearningRateMonitor names them (the scheduler's name,
     else `lr-<optimizer class>`; a group's `name` replaces `pg<i>`). Read when the step starts, before the
     scheduler moves on; Python numbers: nothing is read from the device. Lightning's monitor writes the same rate
-    one row earlier (its own count of steps)."""
+    one row earlier (its own count of steps). Tests: tests/integration/test_host_syncs.py,
+    tests/integration/test_cli.py::test_console_csv_and_checkpoint_names_number_steps_alike."""
 
     def __init__(self) -> None:
         self._rates: dict[str, float] | None = None

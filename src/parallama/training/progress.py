@@ -34,7 +34,7 @@ def train_loss(trainer) -> float | None:
 
 class LiveBar(RichProgressBar):
     """Lightning's RichProgressBar with train/loss, read every `refresh_rate` optimizer steps on a CPU and on the
-    logging steps on a GPU (training/syncs.py), not after every batch."""
+    logging steps on a GPU (training/syncs.py), not after every batch. Test: tests/integration/test_host_syncs.py."""
 
     def __init__(self, refresh_rate: int = 10) -> None:
         super().__init__(refresh_rate=refresh_rate)
@@ -55,7 +55,8 @@ class LiveBar(RichProgressBar):
 
 class LineProgress(ProgressBar):
     """`step 150/500 (30%)  train/loss 1.9321  3.1 steps/s  eta 1m53s`, every N optimizer steps, and each
-    validation's result. Lightning disables progress bars on every rank but 0."""
+    validation's result. Lightning disables progress bars on every rank but 0; its TQDMProgressBar writes a log
+    file a redraw per batch. Test: tests/integration/test_cli.py::test_log_file_progress_and_the_config_in_the_run_dir."""
 
     def __init__(self, every_n_steps: int = 50) -> None:
         super().__init__()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from omegaconf import DictConfig
 from parallama import CONF_DIR
 from parallama.app.compose import compose_tool, preflight
 from parallama.errors import exit_status
+from parallama.runtime.quiet import quiet_known_warnings
 
 log = logging.getLogger("parallama")
 
@@ -75,55 +75,6 @@ def run(
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
-
-
-def quiet_known_warnings() -> None:
-    """Warnings about code that is not parallama's and that a user cannot act on, filtered exactly."""
-    # lightning/pytorch/utilities/_pytree.py (_tree_flatten) builds torch's LeafSpec(), which torch 2.13 marks
-    # deprecated (a FutureWarning from torch/utils/_pytree.py, attributed to Lightning's line): every run warned.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        category=FutureWarning,
-        module=r"lightning\.pytorch\.utilities\._pytree",
-    )
-    # Lightning's SLURMEnvironment.detect() warns wherever `srun` is installed but did not start the process (a
-    # SLURM login node, a machine with slurm-wlm): parallama starts one node's ranks itself, and a multi-node run
-    # without a launcher is refused in one line that names srun (runtime/faults.py), so the hint never applies.
-    warnings.filterwarnings(
-        "ignore", message=r"The `srun` command is available on your system but is not used"
-    )
-    # parallama logs val/loss, val/ppl and step once computed over every rank (torchmetrics syncs the loss), so
-    # Lightning's advice to sync them again (`sync_dist=True`, once per key and multi-rank run) does not apply.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"It is recommended to use `self\.log\('(val/loss|val/ppl|step)', \.\.\., sync_dist=True\)`",
-    )
-    # Lightning's INFO lines about its own set-up that ask nothing of the user: an advertisement for its cloud logger,
-    # and that the model summary callback parallama configures is configured.
-    lightning = "lightning.pytorch.utilities.rank_zero"
-    drop_log_records(lightning, "try installing [litlogger]")
-    drop_log_records(lightning, "Trainer already configured with model summary callbacks")
-    # torch's DTensor, once per rank under expert parallelism: the gradient norm's partial sums over the expert and
-    # data-parallel mesh dimensions are all-reduced one dimension after the other (a norm, not the step's data).
-    drop_log_records("torch.distributed.tensor._redistribute", "_NormPartial", "sequential all_reduce")
-
-
-class _DropRecords(logging.Filter):
-    def __init__(self, needles: tuple[str, ...]) -> None:
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not all(needle in message for needle in self.needles)
-
-
-def drop_log_records(logger: str, *needles: str) -> None:
-    """A third-party logger's records that contain every one of `needles` are not emitted."""
-    target = logging.getLogger(logger)
-    if not any(isinstance(f, _DropRecords) and f.needles == needles for f in target.filters):
-        target.addFilter(_DropRecords(needles))
 
 
 def compose(

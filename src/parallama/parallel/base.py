@@ -36,6 +36,7 @@ from parallama.config.parts import locate_target
 from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import Float8Options, ParallelizeOptions
 from parallama.rules import Rule
+from parallama.runtime.quiet import quiet_known_warnings
 
 log = logging.getLogger("parallama")
 PROCESS_GROUP_BACKEND = Rule(str, choices=("nccl", "gloo"), allow=(None,))  # null: nccl on GPU, gloo on CPU
@@ -61,6 +62,10 @@ class Parallelism:
         return None
 
     # --- the device mesh --------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        quiet_known_warnings()  # in every rank: a spawned one never ran the command line's
+        super().setup_environment()
 
     def layout(self) -> dict[str, int]:
         """This strategy's `ParallelDims.resolve` sizes (-1: the rest of the world). Default: replicas."""

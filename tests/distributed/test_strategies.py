@@ -85,7 +85,9 @@ def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, 
     out = proc.stdout + proc.stderr
     assert "rank 0/2" in out and "\nsample:\n" in out and "Traceback" not in out
     # every rank, a spawned one too, filters what asks nothing of the user (runtime/quiet.py)
-    assert "sync_dist=True" not in out and "is available on your system but is not used" not in out, out[-3000:]
+    assert "sync_dist=True" not in out and "is available on your system but is not used" not in out, out[
+        -3000:
+    ]
     assert "final metrics:   {'val/loss'" in out  # validated after the last step (3; the interval is 2)
     if (run / "csv").exists():
         assert validated_steps(run)[-1] == 3  # the validation after the last step (3)

@@ -35,6 +35,11 @@ def quiet_known_warnings() -> None:
     )
     for key in ("val/loss", "val/ppl", "step"):
         _inherit(f"It is recommended to use `self.log('{key}'")
+    # torch 2.13 deprecates `all_gather_into_tensor` and still calls it itself (FSDP2's and DTensor's all-gathers),
+    # once per rank of a sharded run: parallama never calls it.
+    deprecated_gather = "`torch.distributed.all_gather_into_tensor` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated_gather.replace(".", r"\."), category=FutureWarning)
+    _inherit(deprecated_gather)
     # Lightning's INFO lines about its own set-up that ask nothing of the user: an advertisement for its cloud logger,
     # and that the model summary callback parallama configures is configured.
     lightning = "lightning.pytorch.utilities.rank_zero"

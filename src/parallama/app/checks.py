@@ -219,7 +219,6 @@ def _check_float8(cfg: DictConfig, hardware: bool) -> None:
 
 
 def _check_model_shape(model: DictConfig) -> None:
-
     fields = OmegaConf.to_container(model, resolve=True)
     if fields.get("vocab_size") is None:
         fields["vocab_size"] = 1  # filled in from the tokenizer later

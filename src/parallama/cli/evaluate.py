@@ -225,7 +225,6 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def _task(cfg: DictConfig) -> dict:
-
     return evaluate(cfg, list(HydraConfig.get().overrides.task))
 
 

@@ -291,7 +291,6 @@ def check(cfg: DictConfig, hardware: bool = True) -> None:
 
 
 def _task(cfg: DictConfig) -> None:
-
     hc = HydraConfig.get()
     overrides = [o for o in hc.overrides.task if _key(o) not in ("gpu_memory_gb", "json")]
     conf_dirs = [Path(s.path) for s in hc.runtime.config_sources if s.provider == "command-line"]

@@ -70,7 +70,6 @@ def _train_job(cfg: DictConfig) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-
     pin_to_job_cores()  # first: before torch starts its threads
     app.run("train", train_job, argv, check=check, log_errors=True, setup=setup)
 
@@ -86,7 +85,6 @@ def setup() -> None:
 
 
 def check(cfg: DictConfig, hardware: bool) -> None:
-
     check_config(cfg, hardware=hardware)
 
 

@@ -99,7 +99,6 @@ SAVE_OPS: set = set()  # filled on first use (looking up torch.ops loads the c10
 
 
 def _selective_policy(ctx, func, *args, **kwargs):
-
     return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

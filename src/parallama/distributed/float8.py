@@ -180,7 +180,6 @@ def plain_tensors(state):
 
 
 def _is_dtensor(t) -> bool:
-
     return isinstance(t, DTensor)
 
 

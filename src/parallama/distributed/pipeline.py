@@ -51,7 +51,6 @@ class Pipeline:
         loss_fn: Callable[..., Tensor],
         on_validation_logits: Callable[[Tensor, Tensor], None] | None = None,
     ):
-
         self.group, self.device, self.options, self.loss_fn = group, device, options, loss_fn
         self.on_validation_logits = on_validation_logits  # the module's hook, on the last stage's ranks
         self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group) for i, m in stages]

@@ -73,7 +73,6 @@ class ExpertParallel:
     combine: the outputs go back in their source's order (the inverse all-to-all)."""
 
     def __init__(self, experts: GroupedExperts, mesh):
-
         self.group, self.ep = mesh.get_group(), mesh.size()
 
         def shard(name, module, mesh):

@@ -126,7 +126,6 @@ class JobReturnFile(Callback):
     metric) back through the file the launcher named in JOB_RETURN_ENV."""
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-
         path = os.environ.get(JOB_RETURN_ENV)
         if path and job_return.status == JobStatus.COMPLETED:
             Path(path).write_text(json.dumps(job_return.return_value))

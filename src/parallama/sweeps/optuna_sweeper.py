@@ -59,7 +59,6 @@ class OptunaPruningSweeper(Sweeper):
         self.other_settings = other_settings  # continue a study whose trials ran under other fixed settings
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
-
         self.config = config
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

@@ -92,7 +92,6 @@ class RichModelSummary(LightningRichModelSummary):
         total_flops: int = 0,
         **summarize_kwargs,
     ) -> None:
-
         columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
         for name, _ in columns:
@@ -345,5 +344,4 @@ class Float8Scales(Callback):
     for a model without such weights. parallama-train adds it when `float8` is set."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-
         precompute_scales(pl_module.model)

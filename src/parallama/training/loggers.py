@@ -73,7 +73,6 @@ class AppendingCSVLogger(Logger):
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
-
         self.hparams.update(vars(params) if isinstance(params, Namespace) else dict(params))
         os.makedirs(self.log_dir, exist_ok=True)
         save_hparams_to_yaml(os.path.join(self.log_dir, "hparams.yaml"), self.hparams)

@@ -91,7 +91,6 @@ class Exchange:
     """One set of alike matrices on one mesh: each rank's owned ones brought to it whole, and their results back."""
 
     def __init__(self, pieces: list[Piece], share: list[int], dtype) -> None:
-
         first = pieces[0]
         self.pieces, self.mesh, self.dtype = pieces, first.mesh, dtype
         self.slots = max(share)  # per rank
@@ -122,7 +121,6 @@ class Exchange:
         return [mine[..., slot].to(piece.local.device) for slot, piece in zip(self.slot_of, self.pieces)]
 
     def _dtensor(self, local: Tensor, placements):
-
         rows, cols, slots = self.shape
         return DTensor.from_local(
             local.to(self.device),

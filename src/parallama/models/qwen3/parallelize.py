@@ -14,7 +14,6 @@ from parallama.models.llama.parallelize import tp_block_plan
 
 
 def qwen3_block_plan(*, sequence_parallel: bool, between) -> dict:
-
     plan = tp_block_plan(sequence_parallel=sequence_parallel, between=between)
     plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -176,7 +176,6 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         return checkpoint
 
     def load_universal(self, state) -> None:
-
         load_into_deepspeed(self, self.lightning_module, state.model, state.optimizer)
 
 

@@ -183,7 +183,6 @@ class FSDP2(Parallelism, AtomicFolderCheckpoints, ModelParallelStrategy):
         return info
 
     def load_universal(self, state) -> None:
-
         module, full = self.lightning_module, StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(module, state.model, options=full)
         if state.optimizer is not None:

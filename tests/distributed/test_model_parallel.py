@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from parallama.checkpoint import universal
 from parallama.cli.export import main as export_hf
 from parallama.cli.generate import generate_text
+from parallama.training.report import SAMPLE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -135,10 +136,9 @@ def exported(ckpt, out_dir) -> dict:
     return load_file(out_dir / "model.safetensors")
 
 
-def sample(log: str) -> str:
-    """The first line of the report's sample: what follows it in a run's output may be any rank's (Lightning's
-    lines, warnings), so the text is compared up to its first newline."""
-    return log.split("\nsample:\n", 1)[1].split("\n", 1)[0]
+def sample(run_dir) -> str:
+    """The report's sample, whole, as the run wrote it (the console may interleave other ranks' lines with it)."""
+    return (run_dir / SAMPLE).read_text()
 
 
 @pytest.mark.parametrize("name", PARITY)
@@ -164,7 +164,7 @@ def test_each_layout_trains_like_one_process(runs, name, tmp_path):
 
 
 def test_every_layout_samples_the_same_text_at_the_end(runs):
-    texts = {name: sample(runs["log"][name]) for name in PARITY}
+    texts = {name: sample(runs["dir"] / name) for name in PARITY}
     assert len(set(texts.values())) == 1 and texts["tp"].strip(), texts
 
 

@@ -36,6 +36,7 @@ def test_train_writes_checkpoints_logs_config_and_a_sample(tiny_run):
     assert any(r["train/device/items_per_sec"] for r in rows)  # tokens/s from the ThroughputMonitor
     out = tiny_run.output
     assert "sample:" in out and "last checkpoint:" in out and "rank 0/1" in out
+    assert f"sample:\n{(run / 'sample.txt').read_text()}" in out  # the whole sample, kept in the run dir
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,11 @@ def report(trainer, output_dir: str, sample: str | None, off: str | None = None)
         write_final_metrics(output_dir, trainer)
     if sample is not None:
         lines.append(f"sample:\n{sample}")
+        (Path(output_dir) / SAMPLE).write_text(sample + "\n")
     log.info("\n".join(lines))
+
+
+SAMPLE = "sample.txt"  # in the run directory: the text the report prints, whole (other ranks' lines may follow it there)
 
 
 FINAL_METRICS = (

@@ -9,6 +9,7 @@ what a composed config must satisfy.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import hydra
 from hydra import initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
@@ -30,13 +32,6 @@ from parallama import CONF_DIR
 from parallama.app.checks import check_config
 from parallama.errors import ConfigError
 from parallama.runtime.launch import CHECKED_ENV
-
-# Hydra's own flags. Where Hydra answers by itself (help, completion) nothing is checked; flags that only
-# change what is done with the config (-m, --cfg job) are set aside and the overrides checked as usual.
-_HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-i", "--info"}
-_UNCHECKED = {"-cp", "--config-path", "--experimental-rerun"}  # another config tree
-_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cn", "--config-name", "-cd", "--config-dir"}
-_NO_VALUE = {"-m", "--multirun", "-r", "--run", "--resolve"}
 
 
 def auto_precision() -> str:
@@ -81,31 +76,35 @@ def preflight(
     """
     if os.environ.get(CHECKED_ENV):
         return
-    overrides, printing, search, multirun, run = [], False, [], False, []
-    args = iter(argv)
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in _HYDRA_ANSWERS or flag in _UNCHECKED:
-            return
-        if flag in _WITH_VALUE:
-            value = arg.split("=", 1)[1] if "=" in arg else next(args, "")
-            printing |= flag in ("-c", "--cfg")
-            config_name = value if flag in ("-cn", "--config-name") else config_name
-            if flag in ("-cd", "--config-dir"):
-                if not value:
-                    raise ConfigError(f"{flag} needs a directory")
-                search.append(f"file://{Path(value).resolve()}")
-        elif flag in ("-m", "--multirun"):
-            multirun = True
-        elif flag in ("hydra.run.dir", "hydra.sweep.dir") and not printing:
-            _check_creatable(flag, arg.split("=", 1)[1])
+    # Hydra's own flags, by the parser @hydra.main runs (in hydra._internal only; `--version` answers and exits in
+    # it, as in Hydra). Where Hydra answers by itself (help, completion, info, a flag's bad value) or reads another
+    # config tree (--config-path, --experimental-rerun), nothing is checked; -m and --cfg are set aside.
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        flags, rest = parser.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return
+    if flags.help or flags.hydra_help or flags.shell_completion or flags.info:
+        return
+    if flags.config_path is not None or flags.experimental_rerun is not None:
+        return
+    printing, config_name, extra = flags.cfg is not None, flags.config_name or config_name, []
+    if flags.config_dir is not None:
+        if not flags.config_dir:
+            raise ConfigError("--config-dir needs a directory")
+        extra.append(f"hydra.searchpath=[file://{Path(flags.config_dir).resolve()}]")
+    overrides, run = [], []
+    for arg in [*flags.overrides, *rest]:  # rest: overrides after a flag, and what is not a flag of Hydra's
+        key = arg.split("=", 1)[0]
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and not printing:
+            _check_creatable(key, arg.split("=", 1)[1])
             run.append(arg)  # the job's directory, which the checks of the files a run reads look into
-        elif flag == "hydra.mode":
+        elif key == "hydra.mode":
             run.append(arg)
-        elif flag not in _NO_VALUE and not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+        elif not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
-    extra = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
-    extra += [*run, "hydra.mode=MULTIRUN"] if multirun else run
+    extra += [*run, "hydra.mode=MULTIRUN"] if flags.multirun else run
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for number, (job, label) in enumerate(_sweep_jobs(overrides)):
@@ -114,7 +113,7 @@ def preflight(
                 cfg = compose_job(config_name, [*job, *extra], list_keys)
             except ConfigError as err:
                 raise ConfigError(f"{err}{where}") from None
-            if number == 0 and not multirun:  # before a job's values: -m may be all that is wrong
+            if number == 0 and not flags.multirun:  # before a job's values: -m may be all that is wrong
                 _check_sweep_allowed(overrides, printing)
             try:
                 missing = sorted(OmegaConf.missing_keys(cfg))

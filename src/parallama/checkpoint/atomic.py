@@ -2,7 +2,8 @@
 
 Lightning's TorchCheckpointIO saves through fsspec: a temp file in $TMPDIR, then `shutil.move`, which is a
 copy when the run directory is on another filesystem (a kill mid-copy or a full disk truncates `last.ckpt`),
-and a write killed on the same filesystem leaves a checkpoint-sized `tmpXXXX` in $TMPDIR. Here the temp file
+and a write killed on the same filesystem leaves a checkpoint-sized `tmpXXXX` in $TMPDIR (tests/unit/
+test_library_gaps.py test_lightnings_checkpoint_io_writes_in_tmpdir_then_moves). Here the temp file
 is `.<name>.tmp-<pid>` in the target's own directory, hashed as it is written, fsynced, then `os.replace`d over
 the target after its checksum (checkpoint/integrity.py). DeepSpeed and FSDP (distributed checkpoints) write their
 folders themselves: `AtomicFolderCheckpoints` writes them beside the target, adds their checksums and swaps them in.

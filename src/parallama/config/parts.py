@@ -11,7 +11,8 @@ from parallama.errors import ConfigError
 
 def locate(target: str):
     """The class or function a `_target_` names ("package.module.Name"), importing its module. Not Hydra's
-    `get_object`/`get_class`, which log their own multi-line report before raising."""
+    `get_object`/`get_class`, which log their own multi-line report before raising
+    (test_library_gaps.py test_hydras_get_object_logs_an_error_and_raises_three_lines)."""
     module, _, name = str(target).rpartition(".")
     if not module:
         raise ImportError(f"{target!r} is not a dotted path (package.module.Name)")

@@ -1,15 +1,16 @@
 """How the ranks of a run are started, and how the jobs of a sweep stay apart.
 
-A multi-process run that no launcher started (torchrun, SLURM, ...) starts its other ranks on this node itself,
-as Lightning's launcher would, but each runs exactly this job: the job's own overrides, in the job's own
-directory, never in multirun mode (Lightning re-runs `sys.argv`, which under a Hydra sweep re-runs the whole
-sweep in every child, and under the Optuna sweeper has every child run its own study). The ranks learn their
-place from the environment (`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR/PORT`, `NODE_RANK`), Lightning's public
-contract for processes started outside it. parallama's sweep launcher runs each job in a process of its own
-(`job_command`, parallama.sweeps.launcher), which hands its result back through `JobReturnFile`; where jobs share
-one process (Hydra's `hydra/launcher=basic`), `JobIsolation` (a Hydra callback, see conf/hydra/default.yaml)
-closes each job's process group and environment so that the next job starts its own ranks instead of joining
-the finished job's.
+A multi-process run that no launcher started (torchrun, SLURM, ...) starts its other ranks on this node
+itself, as Lightning's launcher would, but each runs exactly this job: the job's own overrides, in the job's own
+directory, never in multirun mode (Lightning re-runs `sys.argv`, which where a sweep runs its jobs in its own
+process, hydra/launcher=basic, re-runs the whole sweep in every child, and under the Optuna sweeper has every
+child run its own study: test_library_gaps.py test_lightning_starts_a_sweep_jobs_ranks_with_the_whole_sweep).
+The ranks learn their place from the environment (`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR/PORT`, `NODE_RANK`),
+Lightning's public contract for processes started outside it. parallama's sweep launcher runs each job in a
+process of its own (`job_command`, parallama.sweeps.launcher), which hands its result back through
+`JobReturnFile`; where jobs share one process (Hydra's `hydra/launcher=basic`), `JobIsolation` (a Hydra
+callback, see conf/hydra/default.yaml) closes each job's process group and environment so that the next job
+starts its own ranks instead of joining the finished job's.
 """
 
 from __future__ import annotations

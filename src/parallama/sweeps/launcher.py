@@ -8,9 +8,12 @@ that is itself a ddp/fsdp/deepspeed run starts its ranks (runtime/launch.py) exa
 never meets another job's process group.
 `n_jobs` defaults to devices // devices per job (`trainer.devices`); jobs start in order as devices free up.
 
-Why not Hydra's joblib launcher: its workers are long-lived joblib processes whose `__main__` is joblib's own, so
+Why not Hydra's joblib launcher: its workers are long-lived joblib processes whose `__main__` is loky's worker, so
 a ddp trial's ranks (started by re-running `__main__`) would not run parallama, jobs share a worker's process
-group and environment, and it has no notion of which devices a job may use.
+group and environment, and it has no notion of which devices a job may use. Nor submitit's local executor
+(hydra/launcher=submitit_local): its `__main__` is submitit's, and every job gets the same first GPUs.
+tests/unit/test_library_gaps.py runs both: test_joblib_jobs_run_in_joblib_workers_that_share_their_environment,
+test_submitit_local_jobs_run_submitit_and_all_get_the_same_gpus.
 """
 
 from __future__ import annotations

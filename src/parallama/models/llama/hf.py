@@ -5,6 +5,12 @@ subclass): it names the folder's model_type and architecture and the tensors its
 Key mapping: HF `LlamaForCausalLM` keys are ours with a `model.` prefix, except `lm_head.weight`. With
 tied embeddings HF stores no lm_head (it ties on load), so we skip it on export and tie on import. A tensor the
 family's HF checkpoint does not have (or lacks) is refused: transformers would drop (or re-initialize) it.
+
+Not transformers' save_pretrained/from_pretrained: transformers is an optional extra (`export`), so a training
+environment without it still exports (test_without_transformers_export_says_it_cannot_verify) and init_from reads
+a folder without building a second model. tests/integration/test_export.py: the folder loads in transformers with
+equal logits and tokens (test_export_loads_in_transformers), and a folder save_pretrained wrote, sharded too,
+reads back with equal logits (test_load_hf_weights_matches_transformers).
 """
 
 from __future__ import annotations

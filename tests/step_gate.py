@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from parallama.training.callbacks import PreemptionCheckpoint
+from parallama.training.preemption import PreemptionCheckpoint
 
 
 def gate(step: int, folder: str | os.PathLike) -> str:

@@ -84,7 +84,7 @@ def test_wandb_mode_follows_the_api_key(tmp_path, monkeypatch):
 LOSE_THE_SERVICE = """
 import logging, os, signal, sys
 from pathlib import Path
-from parallama.training import callbacks
+from parallama.training import preemption
 from parallama.training.loggers import finish_wandb_run, wandb_logger
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -98,7 +98,7 @@ try:
     logger.log_metrics({"a": 2.0}, step=1)
 except ConnectionError:
     print("an error without a stop signal")
-callbacks._stop_signal = signal.SIGTERM  # what PreemptionCheckpoint records
+preemption._stop_signal = signal.SIGTERM  # what PreemptionCheckpoint records
 logger.log_metrics({"a": 3.0}, step=2)
 logger.log_metrics({"a": 4.0}, step=3)
 finish_wandb_run()

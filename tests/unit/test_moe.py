@@ -1,7 +1,7 @@
-"""The mixture-of-experts block (models/moe.py) in one process: the grouped GEMM against each expert run on its
-own tokens, dropless routing (every count adds up to tokens x top_k), the router's variants (softmax, sigmoid,
-shared experts, loss-free bias), the losses' values against their formulas and the global-batch counts (the
-balancing shares of two half batches summed are the whole batch's)."""
+"""The mixture-of-experts block (models/moe.py, its losses: moe_losses.py) in one process: the grouped GEMM against
+each expert run on its own tokens, dropless routing (every count adds up to tokens x top_k), the router's variants
+(softmax, sigmoid, shared experts, loss-free bias), the losses' values against their formulas and the global-batch
+counts (the balancing shares of two half batches summed are the whole batch's)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import MLP
-from parallama.models.moe import (
-    MoE,
+from parallama.models.moe import MoE
+from parallama.models.moe_losses import (
     add_losses_in_backward,
     auxiliary_loss,
     pipeline_losses,

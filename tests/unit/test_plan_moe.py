@@ -26,7 +26,8 @@ from parallama.parallel.layouts import (
     search,
     stage_params,
 )
-from parallama.parallel.plan import estimate, moe_activation_bytes, prefer_expert_parallel, profiles
+from parallama.parallel.memory import moe_activation_bytes
+from parallama.parallel.plan import estimate, prefer_expert_parallel, profiles
 
 DDP = {"ddp": profiles()["ddp"]}
 SMALL = Qwen3MoeConfig(

@@ -9,16 +9,16 @@ from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import ACOptions
 from parallama.models.llama.config import LlamaConfig
 from parallama.parallel.layouts import Layout, estimate_layout
-from parallama.parallel.plan import (
+from parallama.parallel.memory import (
     GIB,
     HEADROOM,
     activation_bytes,
-    estimate,
     float8_gathered,
     loss_bytes,
     loss_fixed_bytes,
     optimizer_state_bytes,
 )
+from parallama.parallel.plan import estimate
 
 LLAMA_1B = LlamaConfig(  # Llama-3.2-1B's shape (conf/model/llama3_2_1b.yaml)
     vocab_size=128256,

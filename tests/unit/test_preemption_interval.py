@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parallama.errors import Preempted
-from parallama.training.callbacks import PreemptionCheckpoint
+from parallama.training.preemption import PreemptionCheckpoint
 
 
 def steps_that_agree(tmp_path, device: str, every_n_steps=None, signal_at=None, steps=25) -> tuple[list, int]:

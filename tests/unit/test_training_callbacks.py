@@ -90,7 +90,7 @@ def test_a_single_device_run_gets_the_slurm_environment_its_strategy_lacks(monke
 
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from parallama.training.callbacks import PreemptionCheckpoint, requeue_single_device_jobs
+    from parallama.training.preemption import PreemptionCheckpoint, requeue_single_device_jobs
 
     for name in [n for n in os.environ if n.startswith("SLURM_")]:
         monkeypatch.delenv(name)
@@ -144,7 +144,7 @@ def test_a_stop_keeps_the_stop_steps_row_and_validates_nothing(tmp_path, signame
     import signal
 
     from parallama.errors import Preempted
-    from parallama.training.callbacks import PreemptionCheckpoint
+    from parallama.training.preemption import PreemptionCheckpoint
 
     logger = AppendingCSVLogger(str(tmp_path), version="")
     trainer = L.Trainer(

@@ -68,11 +68,10 @@ def _fit(cfg: DictConfig) -> tuple[dict, dict]:
 
     from parallama.checkpoint.atomic import AtomicCheckpointIO, remove_stale_temps  # torch-free module
     from parallama.parallel.base import Parallelism  # torch-free module
-
-    # torch-free module
-    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers, requeue_single_device_jobs
+    from parallama.training.callbacks import AtLeastOneValBatch, StepNumbers  # torch-free module
     from parallama.training.loggers import continue_wandb_run  # torch-free module
     from parallama.training.module import CausalLM  # torch-free module
+    from parallama.training.preemption import requeue_single_device_jobs  # torch-free module
 
     # before anything is printed or built: a checkpoint to resume that is missing or corrupt is one line
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)

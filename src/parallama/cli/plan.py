@@ -1,5 +1,5 @@
 """`parallama-plan`: per-GPU memory of every strategy for a training config, and which one to use (the memory
-model is parallel/plan.py)."""
+model is parallel/plan.py and memory.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,8 @@ from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.layout_checks import check_layout
 from parallama.parallel.layouts import Layout, estimate_layout, search
-from parallama.parallel.plan import (
-    FP32,
-    GIB,
-    HEADROOM,
-    MIXED,
-    OVERHEAD_GIB,
-    MemoryProfile,
-    estimate,
-    optimizer_of,
-    prefer_expert_parallel,
-    profiles,
-    recommend,
-)
+from parallama.parallel.memory import FP32, GIB, HEADROOM, MIXED, OVERHEAD_GIB, optimizer_of
+from parallama.parallel.plan import MemoryProfile, estimate, prefer_expert_parallel, profiles, recommend
 from parallama.rules import Rule, check_keys, key
 
 

@@ -41,7 +41,7 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 # Schedules that run every microbatch's forward before the first backward (what a mixture of experts' global-batch
-# load balancing needs under a pipeline: models/moe.py `StageLosses`)
+# load balancing needs under a pipeline: models/moe_losses.py `StageLosses`)
 FORWARDS_FIRST = ("gpipe",)
 V_SHAPED = ("zbv", "dualpipev")
 # Zero-bubble schedules split each backward into the input gradients (sent upstream at once) and the weight

@@ -29,7 +29,7 @@ def batch_ranks(dims, rank: int) -> list[int]:
 
 def set_count_group(model, options) -> None:
     """Every block's routers add up their tokens per expert over the ranks that hold other tokens of the step
-    (models/moe.py `auxiliary_loss`): the load-balancing loss is the global batch's under every layout."""
+    (models/moe_losses.py `auxiliary_loss`): the load-balancing loss is the global batch's under every layout."""
     dims = options.dims
     if dims.dp_size * dims.cp == 1 or not dist.is_initialized():
         return

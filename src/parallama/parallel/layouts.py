@@ -1,7 +1,7 @@
 """N-D layouts for parallama-plan: the per-GPU memory of `strategy=model_parallel` at given sizes (dp_replicate,
 dp_shard, tp, pp, cp), and the search for the first layout that fits.
 
-What each dimension divides (states in `plan.state_bytes`' fsdp engine: fp32 params, grads and AdamW moments,
+What each dimension divides (states in `memory.state_bytes`' fsdp engine: fp32 params, grads and AdamW moments,
 bf16 compute copies):
 - tp: the block matmuls (q/k/v/o, gate/up/down) and, vocab-parallel, the embedding and the head; never the
   norms (a family's per-head q/k norms included). Activations inside attention and the MLP (rotated q, k, v, attention output, gate/up and their product)
@@ -16,7 +16,7 @@ bf16 compute copies):
 - dp_shard (x cp): FSDP shards what a rank holds after tp and pp; dp_replicate does not divide anything.
 - ep (a mixture of experts, borrowed from dp_shard): E/ep experts FSDP-sharded over dp_shard / ep, the same
   share of the states; the working set gathers E/ep of a block's experts; one block's all-to-all buffers
-  (plan.moe_activation_bytes). Tried largest first with every layout (`expert_parallel`).
+  (memory.moe_activation_bytes). Tried largest first with every layout (`expert_parallel`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import ZERO_BUBBLE
-from parallama.parallel.plan import (
+from parallama.parallel.memory import (
     FP32,
     Estimate,
     activation_bytes,
@@ -140,7 +140,7 @@ def estimate_layout(
     padding = expert_padding(c, dims)
     matmuls, norms = _block(c, dims.tp)
     layers = math.ceil(c.num_hidden_layers / dims.pp)
-    muon = layers * matmuls * 4 if optimizer == "muon" else 0  # plan.optimizer_state_bytes
+    muon = layers * matmuls * 4 if optimizer == "muon" else 0  # memory.optimizer_state_bytes
     params, grads, optim = (
         -(-(psi * b - (muon if k == 2 else 0)) // shard) + padding * b for k, b in enumerate(per[:3])
     )
@@ -151,7 +151,7 @@ def estimate_layout(
     gathered = (_root(c, dims) + gathered_layers * gathered_block) * (per[3] or per[0])
     if (
         shard > 1 and float8 == "tensorwise"
-    ):  # the blocks' matmul weights gathered in float8 (plan.float8_gathered)
+    ):  # the blocks' matmul weights gathered in float8 (memory.float8_gathered)
         gathered -= int(gathered_layers * matmuls * float8_share) * ((per[3] or per[0]) - 1)
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)

@@ -4,7 +4,7 @@
 - `watch_ranks` / `lost_rank`: a rank killed mid-run ends the others with one line naming it and exit status
   `EXIT_RANK_DIED`, instead of a gloo traceback (or, on NCCL, a hang).
 
-Stopping on SIGTERM/SIGUSR1/SIGINT is `parallama.training.callbacks.PreemptionCheckpoint`; it raises `Preempted`.
+Stopping on SIGTERM/SIGUSR1/SIGINT is `parallama.training.preemption.PreemptionCheckpoint`; it raises `Preempted`.
 """
 
 from __future__ import annotations

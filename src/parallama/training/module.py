@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from functools import partial
 
 import lightning as L
@@ -31,7 +30,7 @@ from parallama.training.optim import (
     stacked_warmup,
     with_fused_default,
 )
-from parallama.training.schedules import names_torch_scheduler, torch_scheduler
+from parallama.training.schedules import apply_configured_lrs, lr_scheduler
 
 log = logging.getLogger("parallama")
 
@@ -311,23 +310,12 @@ class CausalLM(L.LightningModule):
             raise ConfigError(message)
 
     def _apply_configured_lr(self) -> None:
-        """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks
-        for (each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's). Not for a torch scheduler of the
-        config (OneCycleLR...), which goes on as torch saved it."""
+        """A resume takes this run's configured LRs, not the checkpoint's (`schedules.apply_configured_lrs`)."""
+        lrs = self.configured_lrs
         for config in self.trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-                continue
-            lrs = self.configured_lrs
-            if list(scheduler.base_lrs) == lrs:
-                continue
-            if self.global_rank == 0:
-                log.info(
-                    f"resuming with optimizer.lr={lrs[0]:g} (the checkpoint's run had {scheduler.base_lrs[0]:g})"
-                )
-            scheduler.base_lrs = list(lrs)
-            for group, lr, factor in zip(scheduler.optimizer.param_groups, lrs, scheduler.lr_lambdas):
-                group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+            saved = apply_configured_lrs(config.scheduler, lrs)
+            if saved is not None and self.global_rank == 0:
+                log.info(f"resuming with optimizer.lr={lrs[0]:g} (the checkpoint's run had {saved:g})")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.step_loss(batch)  # each path hands its logits to `validation_logits`, which updates the metrics
@@ -370,15 +358,9 @@ class CausalLM(L.LightningModule):
         self.optimizer_class = factory.func
 
         total = int(self.trainer.estimated_stepping_batches)
-        if names_torch_scheduler(self.hparams.scheduler):  # torch's own (OneCycleLR...), its length the run's
-            scheduler = torch_scheduler(self.hparams.scheduler, optimizer, total)
-        else:
-            schedule = instantiate_part(self.hparams.scheduler, "scheduler")
-            # fast_dev_run is a smoke test of a config (e.g. an experiment preset with 1000 warmup steps): its one or
-            # few steps say nothing about the schedule, so they take `auto` instead of refusing the preset's warmup.
-            if self.trainer.fast_dev_run and hasattr(schedule, "warmup_steps"):
-                schedule = replace(schedule, warmup_steps="auto")
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total))
+        scheduler = lr_scheduler(
+            self.hparams.scheduler, optimizer, total, fast_dev_run=bool(self.trainer.fast_dev_run)
+        )
         if (note := stacked_warmup(optimizer, self.configured_lrs)) and self.global_rank == 0:
             log.warning(note)
         # An explicit name (the configured class's) keeps the logged `lr-AdamW/pg1` (decayed) and `/pg2` (norms)

@@ -16,7 +16,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -222,3 +222,33 @@ def check_torch_scheduler(config: Mapping, max_steps: int | None) -> None:
             f"scheduler.total_steps={given} is below trainer.max_steps={max_steps}; leave it out to schedule over "
             "the run"
         )
+
+
+# --- the run's scheduler (CausalLM.configure_optimizers) -------------------------------------------------------
+
+
+def lr_scheduler(config: Mapping, optimizer, total_steps: int, *, fast_dev_run: bool = False) -> LRScheduler:
+    """The scheduler of `config` on `optimizer`, for a run of `total_steps` optimizer steps: torch's own
+    (`torch_scheduler`), or a `LambdaLR` of the schedule's multiplier. fast_dev_run is a smoke test of a config (e.g.
+    an experiment preset with 1000 warmup steps): its one or few steps say nothing about the schedule, so they take
+    `auto` instead of refusing the preset's warmup."""
+    if names_torch_scheduler(config):
+        return torch_scheduler(config, optimizer, total_steps)
+    schedule = instantiate_part(config, "scheduler")
+    if fast_dev_run and hasattr(schedule, "warmup_steps"):
+        schedule = replace(schedule, warmup_steps="auto")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambda(total_steps))
+
+
+def apply_configured_lrs(scheduler: LRScheduler, lrs: list[float]) -> float | None:
+    """A resumed scheduler brings back the checkpoint's peak LRs; the optimizer's config is what this run asks for
+    (`lrs`: each group's LR as built: one `optimizer.lr`, or Muon's and AdamW's). Sets them, at the resumed step's
+    multiplier, and returns the checkpoint's first one; None where they were the same already, and for a torch
+    scheduler of the config (OneCycleLR...), which goes on as torch saved it."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) or list(scheduler.base_lrs) == lrs:
+        return None
+    saved = scheduler.base_lrs[0]
+    scheduler.base_lrs = list(lrs)
+    for group, lr, factor in zip(scheduler.optimizer.param_groups, lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    return saved

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from parallama.models import moe
+from parallama.models import moe, moe_losses
 from parallama.models.llama.model import MLP
 from parallama.models.qwen3.model import Qwen3, Qwen3DecoderLayer
 
@@ -51,20 +51,20 @@ class Qwen3Moe(Qwen3):
         return sum(self.config.is_sparse(i) for i in range(self.config.num_hidden_layers))
 
     def auxiliary_loss(self):
-        """The routers' losses of the last training forward and their metrics (models/moe.py); under a pipeline,
-        the value and metrics of those its microbatches added in backward."""
+        """The routers' losses of the last training forward and their metrics (models/moe_losses.py); under a
+        pipeline, the value and metrics of those its microbatches added in backward."""
         blocks = moe.moe_blocks(self)
         if self.pipeline_group is not None:
             device = next(self.parameters()).device  # a stage may hold no sparse block
-            return moe.pipeline_losses(blocks, self.sparse_blocks(), self.pipeline_group, device)
-        return moe.auxiliary_loss(blocks)
+            return moe_losses.pipeline_losses(blocks, self.sparse_blocks(), self.pipeline_group, device)
+        return moe_losses.auxiliary_loss(blocks)
 
     def auxiliary_loss_in_backward(self, microbatches: int, accumulate: int) -> None:
         """Under a pipeline: each microbatch's router losses, weighted 1 / (microbatches x accumulation x
         sparse blocks), reach backward through the blocks' activations (only the last stage forms the recipe's
         loss), balanced by the whole step's tokens per expert."""
         weight = 1 / (microbatches * accumulate * self.sparse_blocks())
-        moe.add_losses_in_backward(moe.moe_blocks(self), weight, microbatches)
+        moe_losses.add_losses_in_backward(moe.moe_blocks(self), weight, microbatches)
 
     def after_optimizer_step(self) -> None:
-        moe.update_expert_biases(moe.moe_blocks(self))
+        moe_losses.update_expert_biases(moe.moe_blocks(self))

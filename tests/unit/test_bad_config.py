@@ -437,3 +437,28 @@ def test_a_data_source_of_yours_states_keys_of_its_own(tmp_path, monkeypatch):
     assert refusal([*yours, "data.source.topic=poetry"]) == (
         "data.source.topic='poetry' is not valid; use one of 'all', 'python'"
     )
+
+
+YOUR_TRAINER = """
+import lightning as L
+
+
+class MyTrainer(L.Trainer):
+    def __init__(self, patience: int = 3, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
+def test_a_trainer_of_yours_is_checked_by_its_own_arguments(tmp_path, monkeypatch):
+    """`trainer._target_` a class of yours: a key neither it nor Lightning's Trainer (where it passes **kwargs
+    on) takes is one line, with the closest of either."""
+    (tmp_path / "your_trainer.py").write_text(YOUR_TRAINER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_trainer", raising=False)
+    yours = ["trainer._target_=your_trainer.MyTrainer", "+trainer.patience=5", "trainer.accelerator=cpu"]
+    preflight(CONF_DIR, "train", yours)
+    for typo, meant in [("patiense", "patience"), ("max_stepz", "max_steps")]:
+        assert refusal([*yours, f"+trainer.{typo}=1"]) == (
+            f"unknown config key 'trainer.{typo}' (did you mean 'trainer.{meant}'?): "
+            f"your_trainer.MyTrainer has no argument {typo!r}"
+        )

@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.utils import get_object
@@ -40,7 +41,8 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     are neither the recipe's parts, the strategy, the data sources nor the tokenizer: for `--cfg`, which only
     prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
-    _check_trainer_keys(cfg.trainer)
+    if cfg.trainer.get("_target_") in LIGHTNING_TRAINERS:  # read from Lightning's source: no import
+        _check_trainer_keys(cfg.trainer, trainer_arguments(), "lightning.pytorch.Trainer")
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     _check_model_shape(model)
     if data.seq_len > model.max_position_embeddings:
@@ -51,6 +53,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     _check_float8(cfg, hardware)
     if hardware:  # a run (not --cfg, which imports no more than it prints)
         _check_targets(cfg)
+        _check_your_trainer(cfg.trainer)
         _check_devices(trainer)
         _check_strategy(cfg)
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
@@ -77,20 +80,34 @@ def trainer_arguments() -> tuple[str, ...]:
     return ()
 
 
-def _check_trainer_keys(trainer: DictConfig) -> None:
-    """Each `trainer.<key>` is an argument of Lightning's Trainer (unless `trainer._target_` is a class of the
-    user's own): else Trainer.__init__ refuses it, but only after the data and model are built."""
-    if trainer.get("_target_") not in LIGHTNING_TRAINERS or not (arguments := trainer_arguments()):
-        return
+def _check_trainer_keys(trainer: DictConfig, arguments: Sequence[str], name: str) -> None:
+    """Each `trainer.<key>` is an argument of the Trainer class `name`: else its __init__ refuses it, but only
+    after the data and model are built."""
     for key in trainer:
         key = str(key)
         if key.startswith("_") or key in arguments:
             continue
         close = difflib.get_close_matches(key, arguments, n=1)
         hint = f" (did you mean 'trainer.{close[0]}'?)" if close else ""
-        raise ConfigError(
-            f"unknown config key 'trainer.{key}'{hint}: lightning.pytorch.Trainer has no argument {key!r}"
-        )
+        raise ConfigError(f"unknown config key 'trainer.{key}'{hint}: {name} has no argument {key!r}")
+
+
+def _check_your_trainer(trainer: DictConfig) -> None:
+    """A Trainer of the user's own (`trainer._target_`, imported): its keys are the arguments of its `__init__`,
+    and Lightning Trainer's where a subclass of it passes `**kwargs` on (another `**kwargs` takes anything)."""
+    target = trainer.get("_target_")
+    if not isinstance(target, str) or target in LIGHTNING_TRAINERS:
+        return
+    from lightning.pytorch import Trainer  # torch-free module
+
+    found = locate_target(target, "trainer._target_")
+    parameters = inspect.signature(found).parameters.values()
+    arguments = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        if not (isinstance(found, type) and issubclass(found, Trainer)):
+            return
+        arguments += list(inspect.signature(Trainer).parameters)
+    _check_trainer_keys(trainer, arguments, target)
 
 
 def check_inputs(cfg: DictConfig) -> None:

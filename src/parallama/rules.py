@@ -1,7 +1,8 @@
 """What one key accepts (`Rule`: a kind, a range, choices; `Check`: any test, described), a config key as a
 dataclass field beside its default (`key`), and the one line that says a value is not valid. The training
 config's keys are in `schema`; each other tool (parallama-prepare, -generate, -eval, -plan, -ckpt) declares its
-own few keys in a dataclass of the same kind next to it.
+own few keys in a dataclass of the same kind next to it, and so does each part a `_target_` names whose keys
+differ by option (a strategy, a data source, a tokenizer: its `config_keys`).
 Not OmegaConf structured configs: no range, choice or trainer.devices, 3-line refusals (test_library_gaps)."""
 
 from __future__ import annotations

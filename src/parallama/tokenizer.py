@@ -13,12 +13,16 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, BinaryIO, ClassVar, NamedTuple
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from parallama.errors import ConfigError
+from parallama.rules import Rule, key
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("parallama")
 
@@ -69,6 +73,17 @@ def byte_level() -> Tokenizer:
     return _byte_level_pipeline(tok)
 
 
+@dataclass
+class BPEKeys:
+    """`train_bpe`'s keys (`config_keys`: the config check asks the tokenizer `_target_` names for them)."""
+
+    conf: ClassVar[str] = "tokenizer/bpe.yaml"
+
+    vocab_size: int = key(4096, Rule(int, len(SPECIALS) + 256))  # the specials + 256 bytes
+    min_frequency: int = key(2, Rule(int, 1))
+    train_documents: int | None = key(100000, Rule(int, 1, allow=(None,)))
+
+
 def train_bpe(
     texts: Iterable[str], vocab_size: int, min_frequency: int = 2, train_documents: int | None = None
 ) -> Tokenizer:
@@ -100,6 +115,9 @@ def train_bpe(
             "(more data, a higher tokenizer.train_documents) or a lower min_frequency learns more"
         )
     return tok
+
+
+train_bpe.config_keys = BPEKeys
 
 
 def splits_safely(tok: Tokenizer) -> bool:
@@ -189,6 +207,8 @@ def encode_documents(
     with the longest document: long ones are encoded in chunks where that keeps the ids the same
     (`splits_safely`), at most `batch_size` pieces and BATCH_CHARS of text per encode_batch, ids go out as
     numpy arrays. `progress.update(docs, tokens)` is told after each batch."""
+    import numpy as np  # start-up time (numpy: the config check imports this module for the tokenizer's keys)
+
     ids = special_ids(tok)
     bot, eot = np.array([ids.bot], dtype), np.array([ids.eot], dtype)
     size = CHUNK_CHARS if splits_safely(tok) else None

@@ -369,3 +369,96 @@ def test_a_strategy_of_yours_is_checked_as_the_class_it_extends(
     shipped = refusal(overrides)
     assert message in shipped
     assert refusal([*overrides, f"strategy._target_=your_strategies.{yours}"]) == shipped
+
+
+YOUR_SOURCES = """
+from dataclasses import dataclass
+
+from parallama.data.sources import EmbeddedKeys, embedded
+from parallama.rules import Rule, key
+
+
+def prose(corpus="prose", max_documents=None):
+    return embedded(corpus, max_documents)
+
+
+prose.config_keys = EmbeddedKeys  # the shipped source's keys
+
+
+@dataclass
+class TopicKeys:
+    topic: str = key("all", Rule(str, choices=("all", "python")))
+    max_documents: int | None = key(None, Rule(int, 1, allow=(None,)))
+
+
+def topics(topic="all", max_documents=None):
+    return embedded("prose", max_documents)
+
+
+topics.config_keys = TopicKeys  # keys of its own
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["data.source.max_documents=0"],
+            "data.source.max_documents=0 is not valid; use an integer >= 1 or null",
+        ),
+        (
+            ["data.source.corpus=poetry"],
+            "data.source.corpus='poetry' is not valid; use one of 'prose', 'code'",
+        ),
+        (
+            ["experiment=mixture", "data.sources.code.source.max_documents=0"],
+            "data.sources.code.source.max_documents=0 is not valid; use an integer >= 1 or null",
+        ),
+    ],
+    ids=["max_documents", "corpus", "mixture"],
+)
+def test_a_data_source_of_yours_is_checked_by_the_keys_it_declares(tmp_path, monkeypatch, overrides, line):
+    """A data source's keys are its function's (`config_keys`), whatever its `_target_`: a function of yours
+    that declares them gets the shipped source's line (the table they replaced was keyed by the shipped names)."""
+    (tmp_path / "your_sources.py").write_text(YOUR_SOURCES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_sources", raising=False)
+    assert refusal(overrides) == line
+    node = "data.sources.code.source" if "experiment=mixture" in overrides else "data.source"
+    assert refusal([*overrides, f"{node}._target_=your_sources.prose"]) == line
+
+
+def test_a_data_source_of_yours_states_keys_of_its_own(tmp_path, monkeypatch):
+    (tmp_path / "your_sources.py").write_text(YOUR_SOURCES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_sources", raising=False)
+    yours = ["data.source._target_=your_sources.topics", "~data.source.corpus", "+data.source.topic=python"]
+    preflight(CONF_DIR, "train", yours)
+    assert refusal([*yours, "data.source.topic=poetry"]) == (
+        "data.source.topic='poetry' is not valid; use one of 'all', 'python'"
+    )
+
+
+YOUR_TRAINER = """
+import lightning as L
+
+
+class MyTrainer(L.Trainer):
+    def __init__(self, patience: int = 3, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
+def test_a_trainer_of_yours_is_checked_by_its_own_arguments(tmp_path, monkeypatch):
+    """`trainer._target_` a class of yours: a key neither it nor Lightning's Trainer (where it passes **kwargs
+    on) takes is one line, with the closest of either."""
+    (tmp_path / "your_trainer.py").write_text(YOUR_TRAINER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_trainer", raising=False)
+    yours = ["trainer._target_=your_trainer.MyTrainer", "+trainer.patience=5", "trainer.accelerator=cpu"]
+    preflight(CONF_DIR, "train", yours)
+    for typo, meant in [("patiense", "patience"), ("max_stepz", "max_steps")]:
+        assert refusal([*yours, f"+trainer.{typo}=1"]) == (
+            f"unknown config key 'trainer.{typo}' (did you mean 'trainer.{meant}'?): "
+            f"your_trainer.MyTrainer has no argument {typo!r}"
+        )

@@ -1,16 +1,18 @@
-"""parallama's own callback and logger on Lightning's public API: last.ckpt's schedule, and a CSV history that a
-resumed run (or another process of the run) appends to."""
+"""parallama's own callback and logger on Lightning's public API: last.ckpt's schedule, a CSV history that a
+resumed run (or another process of the run) appends to, and which loggers continue a W&B run."""
 
 import csv
 import os
+import sys
 from datetime import timedelta
 
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from parallama.training.callbacks import LastCheckpoint
-from parallama.training.loggers import AppendingCSVLogger
+from parallama.training.loggers import AppendingCSVLogger, WandbRunId, continue_wandb_run
 
 
 class Tiny(L.LightningModule):
@@ -182,3 +184,48 @@ def test_the_default_bounds_the_work_a_kill_loses_by_steps_and_by_time():
         cfg = compose("train")
     node = cfg.callbacks.last_checkpoint
     assert (node.every_n_train_steps, instantiate(node.train_time_interval)) == (100, timedelta(minutes=30))
+
+
+YOUR_LOGGERS = """
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+
+class MyWandb(WandbLogger):
+    pass
+
+
+def my_wandb(project: str = "x") -> MyWandb:
+    return MyWandb(project=project)
+
+
+def my_csv() -> CSVLogger:
+    return CSVLogger(".")
+"""
+
+
+def test_a_wandb_logger_of_yours_continues_the_run(tmp_path, monkeypatch):
+    """A W&B logger is asked of its part (a WandbLogger subclass, or a function returning one), not matched by
+    its `_target_`: yours continues the checkpoint's W&B run as the shipped one does; other loggers do not."""
+    (tmp_path / "your_loggers.py").write_text(YOUR_LOGGERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "your_loggers", raising=False)
+    torch.save({"wandb_run_id": "abc", "state_dict": {}}, tmp_path / "last.ckpt")
+    loggers = {
+        "subclass": "your_loggers.MyWandb",
+        "factory": "your_loggers.my_wandb",
+        "shipped": "parallama.training.loggers.wandb_logger",
+        "csv": "parallama.training.loggers.AppendingCSVLogger",
+        "csv_factory": "your_loggers.my_csv",
+        "lightning_csv": "lightning.pytorch.loggers.CSVLogger",
+    }
+    cfg = OmegaConf.create({"logger": {name: {"_target_": target} for name, target in loggers.items()}})
+    cfg.logger.pinned = {"_target_": "your_loggers.MyWandb", "id": "kept"}  # its own id wins
+    callbacks = continue_wandb_run(cfg, str(tmp_path / "last.ckpt"))
+    assert [type(c) for c in callbacks] == [WandbRunId]
+    assert {name: node.get("id") for name, node in cfg.logger.items()} == {
+        **dict.fromkeys(("subclass", "factory", "shipped"), "abc"),
+        **dict.fromkeys(("csv", "csv_factory", "lightning_csv"), None),
+        "pinned": "kept",
+    }
+    csv_only = OmegaConf.create({"logger": {"csv": {"_target_": loggers["csv"]}}})
+    assert continue_wandb_run(csv_only, str(tmp_path / "last.ckpt")) == []

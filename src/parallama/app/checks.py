@@ -1,9 +1,10 @@
 """The checks of the composed config, run before any data is read or any process is started.
 
 Each failure is a `ConfigError` whose one-line message names the key and what would be valid. What one key
-accepts is stated once, beside its default, in `schema`; here is what relates keys (or reads the machine and the
-files a run names). The model's fields are checked by its family's config class itself (`models`). How the
-config is composed from the command line (and Hydra's own errors worded) is in `compose`.
+accepts is stated once, beside its default, in `schema` or on the part a `_target_` names (`check_parts`); here
+is what relates keys (or reads the machine and the files a run names). The model's fields are checked by its
+family's config class itself (`models`). How the config is composed from the command line (and Hydra's own
+errors worded) is in `compose`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import ast
 import difflib
 import functools
 import importlib.util
+import inspect
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.utils import get_object
@@ -21,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallama.app.run_dir import check_run_dir
 from parallama.checkpoint.resume import check_model_matches, missing_ckpt_path
-from parallama.config.parts import instantiate_part, locate_target, targets
+from parallama.config.parts import instantiate_part, locate, locate_target, targets
 from parallama.config.schema import check_schema
 from parallama.distributed.dims import dims_of_config, uses_gpu
 from parallama.errors import ConfigError
@@ -35,9 +38,11 @@ from parallama.training.wandb_env import wandb_api_key_configured
 
 def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     """`hardware=False` leaves out what depends on this machine (GPUs, cores) and importing the `_target_`s that
-    are neither the recipe's parts nor the strategy: for `--cfg`, which only prints."""
+    are neither the recipe's parts, the strategy, the data sources nor the tokenizer: for `--cfg`, which only
+    prints."""
     _check_values(cfg)  # first: no torch import, so most typos of values answer at once
-    _check_trainer_keys(cfg.trainer)
+    if cfg.trainer.get("_target_") in LIGHTNING_TRAINERS:  # read from Lightning's source: no import
+        _check_trainer_keys(cfg.trainer, trainer_arguments(), "lightning.pytorch.Trainer")
     model, data, trainer = cfg.model, cfg.data, cfg.trainer
     _check_model_shape(model)
     if data.seq_len > model.max_position_embeddings:
@@ -48,6 +53,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
     _check_float8(cfg, hardware)
     if hardware:  # a run (not --cfg, which imports no more than it prints)
         _check_targets(cfg)
+        _check_your_trainer(cfg.trainer)
         _check_devices(trainer)
         _check_strategy(cfg)
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
@@ -74,20 +80,34 @@ def trainer_arguments() -> tuple[str, ...]:
     return ()
 
 
-def _check_trainer_keys(trainer: DictConfig) -> None:
-    """Each `trainer.<key>` is an argument of Lightning's Trainer (unless `trainer._target_` is a class of the
-    user's own): else Trainer.__init__ refuses it, but only after the data and model are built."""
-    if trainer.get("_target_") not in LIGHTNING_TRAINERS or not (arguments := trainer_arguments()):
-        return
+def _check_trainer_keys(trainer: DictConfig, arguments: Sequence[str], name: str) -> None:
+    """Each `trainer.<key>` is an argument of the Trainer class `name`: else its __init__ refuses it, but only
+    after the data and model are built."""
     for key in trainer:
         key = str(key)
         if key.startswith("_") or key in arguments:
             continue
         close = difflib.get_close_matches(key, arguments, n=1)
         hint = f" (did you mean 'trainer.{close[0]}'?)" if close else ""
-        raise ConfigError(
-            f"unknown config key 'trainer.{key}'{hint}: lightning.pytorch.Trainer has no argument {key!r}"
-        )
+        raise ConfigError(f"unknown config key 'trainer.{key}'{hint}: {name} has no argument {key!r}")
+
+
+def _check_your_trainer(trainer: DictConfig) -> None:
+    """A Trainer of the user's own (`trainer._target_`, imported): its keys are the arguments of its `__init__`,
+    and Lightning Trainer's where a subclass of it passes `**kwargs` on (another `**kwargs` takes anything)."""
+    target = trainer.get("_target_")
+    if not isinstance(target, str) or target in LIGHTNING_TRAINERS:
+        return
+    from lightning.pytorch import Trainer  # torch-free module
+
+    found = locate_target(target, "trainer._target_")
+    parameters = inspect.signature(found).parameters.values()
+    arguments = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        if not (isinstance(found, type) and issubclass(found, Trainer)):
+            return
+        arguments += list(inspect.signature(Trainer).parameters)
+    _check_trainer_keys(trainer, arguments, target)
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -102,13 +122,21 @@ def check_inputs(cfg: DictConfig) -> None:
             raise ConfigError(line)
         model = OmegaConf.to_container(cfg.model, resolve=True)
         check_model_matches(ckpt_path, {k: v for k, v in model.items() if v is not None}, strict=False)
-    for where, source in _file_sources(cfg.data, "data"):
-        from parallama.data.sources import check_paths  # start-up time (tokenizers)
-
+    for path, node in part_nodes(cfg):
+        if (check := getattr(part(node), "check_inputs", None)) is None:
+            continue
+        arguments = {
+            k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")
+        }
         try:
-            check_paths(OmegaConf.to_container(source, resolve=True)["paths"])
+            inspect.signature(check).bind(**arguments)
+        except TypeError:  # a keyword missing or unknown: building the part says which
+            continue
+        try:
+            check(**arguments)
         except (ConfigError, FileNotFoundError) as err:  # worded as the data module words it
-            raise ConfigError(str(err) if where == "data.source" else f"{where}: {err}") from None
+            where = path.removesuffix(".source")
+            raise ConfigError(str(err) if path == "data.source" else f"{where}: {err}") from None
     if cfg.get("init_from"):
         fields = OmegaConf.to_container(cfg.model, resolve=True)
         spec = model_spec(fields)
@@ -160,18 +188,38 @@ def _check_tokenizer(cfg: DictConfig) -> None:
     check_vocab_fits(tokens, OmegaConf.select(cfg, "model.vocab_size"))
 
 
-def _file_sources(node, where: str) -> list[tuple[str, DictConfig]]:
-    """The `files` data sources under `node` (data.source, or a mixture's data.sources.<name>.source), each with
-    the key that names it (data.source, data.sources.<name>)."""
-    if not isinstance(node, DictConfig):
-        return []
-    if node.get("_target_") == "parallama.data.sources.files" and "paths" in node:
-        return [(where.removesuffix(".source") if where != "data.source" else where, node)]
-    return [found for key in node for found in _file_sources(node.get(key), f"{where}.{key}")]
+def part_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(key, node) of the parts that state their own keys and inputs (`check_parts`, `check_inputs`): the
+    tokenizer, the data source, each source of a mixture (data.sources.<name>.source)."""
+    nodes = [("tokenizer", cfg.get("tokenizer")), ("data.source", OmegaConf.select(cfg, "data.source"))]
+    if isinstance(sources := OmegaConf.select(cfg, "data.sources"), DictConfig):
+        for name, entry in sources.items():
+            if isinstance(entry, DictConfig):
+                nodes.append((f"data.sources.{name}.source", entry.get("source")))
+    return [(key, node) for key, node in nodes if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def part(node: DictConfig):
+    """The class or function a part's `_target_` names; None if it does not import (`_check_targets` and the
+    part's build say why)."""
+    try:
+        return locate(node._target_)
+    except Exception:  # ImportError, AttributeError, or what the module raised when imported
+        return None
+
+
+def check_parts(cfg: DictConfig) -> None:
+    """Each part's keys by the rules its class or function declares (`config_keys`, e.g. data/sources.py
+    `EmbeddedKeys`), asked of what its `_target_` names: a source or tokenizer of yours is checked as a shipped
+    one. Also parallama-prepare's check."""
+    for path, node in part_nodes(cfg):
+        if (keys := getattr(part(node), "config_keys", None)) is not None:
+            check_keys(cfg, keys, path)
 
 
 def _check_values(cfg: DictConfig) -> None:
     check_schema(cfg)
+    check_parts(cfg)
     _check_wandb(cfg)
     cache = OmegaConf.select(cfg, "paths.cache_dir")
     if isinstance(cache, str) and os.path.exists(cache) and not os.path.isdir(cache):

@@ -23,6 +23,7 @@ from typing import ClassVar
 import hydra
 from omegaconf import DictConfig
 
+from parallama.app.checks import check_parts
 from parallama.cli import app
 from parallama.config.schema import train_rules
 from parallama.data.cache import STEPS, TokenCache, load_tokenizer, source_key
@@ -50,7 +51,8 @@ class Prepare:
 
 def check(cfg: DictConfig, hardware: bool = True) -> None:
     """The values `prepare` uses, each in one line naming the key (nothing else of the training config matters)."""
-    check_values(cfg, train_rules("seed", "data.", "tokenizer."))
+    check_values(cfg, train_rules("seed", "data."))
+    check_parts(cfg)  # the data source's and the tokenizer's keys, by the parts' own rules
     check_keys(cfg, Prepare, "prepare")
     p = cfg.prepare
     if p.node_rank >= p.num_nodes:

@@ -1,13 +1,13 @@
 """One schema: each key of the training config with its type and valid values, stated once beside its default.
 
-A dataclass per config node (`SCHEMA`: where it applies, by path or, for a group whose options are different
-classes, by the node's `_target_`), a field per key: `key(default, Rule(...))`. `check_schema` checks a composed
-config against it before any work (`checks.check_config`), each bad value one line naming the key and what is
-valid; a key the config does not have is not checked. Each class mirrors one conf file (`conf`):
+A dataclass per config node (`SCHEMA`, by its path), a field per key: `key(default, Rule(...))`. `check_schema`
+checks a composed config against it before any work (`checks.check_config`), each bad value one line naming the
+key and what is valid; a key the config does not have is not checked. Each class mirrors one conf file (`conf`):
 tests/unit/test_config_schema.py holds every field's default equal to that file's value and every key of the
-file to a field, so a renamed or new key cannot go unchecked. A strategy's keys are not here: its class declares
-them (`Parallelism.config_keys`, parallel/strategies/, dataclasses of the same kind), and `checks` asks the class
-that `strategy._target_` names, so a subclass of yours is checked as the shipped one.
+file to a field, so a renamed or new key cannot go unchecked. The keys of a group whose options are different
+parts are not here: each part declares its own (`config_keys`, dataclasses of the same kind: a strategy's class,
+parallel/strategies/; a data source, data/sources.py; the BPE tokenizer, tokenizer.py), and `checks` asks the
+part that the node's `_target_` names, so a part of yours is checked as a shipped one.
 
 What relates several keys (a batch that divides, a layout that fits the devices) is in `checks`; a model's
 fields are checked by its family's config class; the optimizer, schedule and loss check their own keywords.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
 from parallama.distributed.options import (
     AC_MODES,
@@ -27,7 +27,7 @@ from parallama.distributed.options import (
     FLOAT8_FILTERS,
     FLOAT8_RECIPES,
 )
-from parallama.rules import Check, Rule, check_value, key, rules
+from parallama.rules import Check, Rule, check_keys, check_value, key, rules
 
 
 def _devices(value) -> bool:
@@ -121,44 +121,6 @@ class Data:
 
 
 @dataclass
-class EmbeddedSource:
-    conf: ClassVar[str] = "data/source/embedded.yaml"
-
-    corpus: str = key("prose", Rule(str, choices=("prose", "code")))
-    max_documents: int | None = key(None, SOME)
-
-
-@dataclass
-class FilesSource:
-    conf: ClassVar[str] = "data/source/files.yaml"
-
-    paths: Any = key("???")  # a path, a glob or a list: matched in checks.check_inputs
-    text_key: str = key("text")
-    max_documents: int | None = key(None, SOME)
-
-
-@dataclass
-class HubSource:
-    conf: ClassVar[str] = "data/source/hub.yaml"  # fineweb.yaml: the same keys, FineWeb's values
-
-    name: str = key("???")
-    config_name: str | None = key(None)
-    split: str = key("train")
-    text_key: str = key("text")
-    streaming: bool = key(True, BOOL)
-    max_documents: int | None = key(None, SOME)
-
-
-@dataclass
-class BPETokenizer:
-    conf: ClassVar[str] = "tokenizer/bpe.yaml"
-
-    vocab_size: int = key(4096, Rule(int, 260))  # 256 bytes + 4 specials
-    min_frequency: int = key(2, POSITIVE)
-    train_documents: int | None = key(100000, SOME)
-
-
-@dataclass
 class Trainer:
     """Lightning's Trainer arguments that parallama's config sets; any other argument of it may be added
     (`+trainer.<key>`, checked against Lightning's signature in checks)."""
@@ -243,19 +205,12 @@ class WandbLogger:
     log_model: bool | str = key(False, Rule(bool, allow=("all",)))
 
 
-# Where each class applies: a node by its path, or (a group whose options are different classes) a node at that
-# path whose `_target_` names the option.
-SCHEMA: dict[str, type | dict[str, type]] = {
+# Where each class applies: the config node at that path.
+SCHEMA: dict[str, type] = {
     "": Run,
     "activation_checkpointing_policy": ACPolicy,
     "sample": Sample,
     "data": Data,
-    "data.source": {
-        "parallama.data.sources.embedded": EmbeddedSource,
-        "parallama.data.sources.files": FilesSource,
-        "parallama.data.sources.hub": HubSource,
-    },
-    "tokenizer": {"parallama.tokenizer.train_bpe": BPETokenizer},
     "trainer": Trainer,
     "optimizer": Optimizer,
     "callbacks.last_checkpoint": LastCheckpoint,
@@ -266,28 +221,20 @@ SCHEMA: dict[str, type | dict[str, type]] = {
 
 def train_rules(*prefixes: str) -> dict[str, Rule]:
     """The rules of the training config by dotted key, for the tools that read part of it (parallama-prepare:
-    seed, data., tokenizer.); a group of several classes gives the rules of all of them."""
+    seed, data.); a part's keys are its own (`app.checks.check_parts`)."""
     found: dict[str, Rule] = {}
     for path, schema in SCHEMA.items():
-        for cls in schema.values() if isinstance(schema, dict) else [schema]:
-            for name, rule in rules(cls).items():
-                dotted = f"{path}.{name}" if path else name
-                if dotted.startswith(prefixes):
-                    found.setdefault(dotted, rule)
+        for name, rule in rules(schema).items():
+            dotted = f"{path}.{name}" if path else name
+            if dotted.startswith(prefixes):
+                found[dotted] = rule
     return found
 
 
 def check_schema(cfg: DictConfig) -> None:
     """The composed training config against `SCHEMA`: each key it has, in one line naming the first bad one."""
     for path, schema in SCHEMA.items():
-        node = OmegaConf.select(cfg, path) if path else cfg
-        if not isinstance(node, DictConfig):
-            continue
-        if isinstance(schema, dict) and (schema := schema.get(node.get("_target_"))) is None:
-            continue  # an option of the user's own: its class checks its keywords
-        for name, rule in rules(schema).items():
-            if name in node:
-                check_value(f"{path}.{name}" if path else name, node[name], rule)
+        check_keys(cfg, schema, path)
 
 
 def check_arguments(path: str, schema: type, **values) -> None:

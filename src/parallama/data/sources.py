@@ -7,6 +7,9 @@ the file (and record). A source's `fingerprint` attribute, called with the same
 arguments, returns what its documents depend on beyond the config: the token cache
 key includes it, so changed inputs get a new cache entry. Its `num_documents` attribute
 returns how many documents to expect, or None (only progress lines use it, for an ETA).
+Before any work the config check asks a source (app/checks.py, whatever its `_target_`) for its `config_keys`
+(a dataclass of `rules.key` fields mirroring its conf file) and calls its `check_inputs`, with the same
+arguments, to check the files it reads.
 """
 
 from __future__ import annotations
@@ -22,17 +25,26 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import Any, ClassVar
 
-import pyarrow.parquet as pq
-
-from parallama.data.cache import source_key
 from parallama.errors import ConfigError
+from parallama.rules import Rule, key
 
 CORPORA = ("prose", "code")
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _NOT_CODE = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
+MAX_DOCUMENTS = Rule(int, 1, allow=(None,))  # a count, or null: all
+
+
+@dataclass
+class EmbeddedKeys:
+    conf: ClassVar[str] = "data/source/embedded.yaml"
+
+    corpus: str = key("prose", Rule(str, choices=CORPORA))
+    max_documents: int | None = key(None, MAX_DOCUMENTS)
 
 
 def embedded(corpus: str = "prose", max_documents: int | None = None) -> Iterable[str]:
@@ -65,6 +77,7 @@ def _embedded_count(corpus: str = "prose", max_documents: int | None = None) -> 
     return min(n, max_documents) if max_documents is not None else n
 
 
+embedded.config_keys = EmbeddedKeys
 embedded.fingerprint = _embedded_fingerprint
 embedded.num_documents = _embedded_count
 
@@ -74,6 +87,15 @@ def _stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = (p for p in root.rglob("*.py") if not _NOT_CODE & set(p.relative_to(root).parts[:-1]))
     return sorted(paths, key=lambda p: p.relative_to(root).as_posix())
+
+
+@dataclass
+class FilesKeys:
+    conf: ClassVar[str] = "data/source/files.yaml"
+
+    paths: Any = key("???")  # a path, a glob or a list: matched by `check_inputs` before any work
+    text_key: str = key("text")
+    max_documents: int | None = key(None, MAX_DOCUMENTS)
 
 
 def files(paths: str | list[str], text_key: str = "text", max_documents: int | None = None) -> Iterable[str]:
@@ -98,6 +120,7 @@ def _files_count(
 ) -> int | None:
     """Exact where cheap: one per .txt/.md file, parquet row counts from the footer, jsonl line counts (a
     read at disk speed); a .json array makes it unknown."""
+    import pyarrow.parquet as pq  # start-up time (pyarrow: the config check imports this module)
 
     total = 0
     for path in check_paths(paths):
@@ -114,13 +137,20 @@ def _files_count(
     return min(total, max_documents) if max_documents is not None else total
 
 
+def _files_inputs(paths: str | list[str], text_key: str = "text", max_documents: int | None = None) -> None:
+    """The paths match files it can read (the preflight's check, before any work)."""
+    check_paths(paths)
+
+
+files.config_keys = FilesKeys
+files.check_inputs = _files_inputs
 files.fingerprint = _files_fingerprint
 files.num_documents = _files_count
 
 
 def check_paths(paths: str | list[str]) -> list[str]:
     """Expand the patterns, check what can be checked without reading: existence, type, extension, size (also
-    the preflight's check of `data.source.paths`, app/checks.py)."""
+    the preflight's check of the paths, `files.check_inputs`)."""
     patterns = [paths] if isinstance(paths, str) else list(paths)
     if not patterns:
         raise ConfigError("data.source.paths is empty; give a file, a glob or a list of them")
@@ -243,6 +273,18 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+@dataclass
+class HubKeys:
+    conf: ClassVar[str] = "data/source/hub.yaml"  # fineweb.yaml: the same keys, FineWeb's values
+
+    name: str = key("???")
+    config_name: str | None = key(None)
+    split: str = key("train")
+    text_key: str = key("text")
+    streaming: bool = key(True, Rule(bool))
+    max_documents: int | None = key(None, MAX_DOCUMENTS)
+
+
 def hub(
     name: str,
     config_name: str | None = None,
@@ -269,6 +311,7 @@ def _hub_count(*args, max_documents: int | None = None, **kwargs) -> int | None:
     return max_documents
 
 
+hub.config_keys = HubKeys
 hub.num_documents = _hub_count
 
 
@@ -332,6 +375,8 @@ def interleave(mixture: Mixture) -> Iterator[str]:
 
 def mixture_key(mixture: Mixture) -> list:
     """What a tokenizer trained on the mixture depends on: every source's key and the weights."""
+    from parallama.data.cache import source_key  # start-up time (rich, tokenizers)
+
     keys = []
     for name, (weight, source) in sorted(mixture.items()):
         with named(name):

@@ -4,7 +4,8 @@ with an API key, offline (synced later) without one.
 Without a W&B key W&B fails at start-up and, under ddp, the other ranks then die on a closed socket; so `mode: auto`
 picks offline mode unless a key is configured (WANDB_API_KEY, or `wandb login`'s netrc entry).
 Checkpoints store the W&B run id (`WandbRunId`); a run resumed from one continues that W&B run. Both halves are
-wired here alone (`continue_wandb_run`), not in the config: any W&B logger of parallama's gets them.
+wired here alone (`continue_wandb_run`), not in the config: any W&B logger gets them, parallama's or yours (a
+`_target_` naming a WandbLogger subclass, or a function whose return annotation is one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import typing
 from argparse import Namespace
 from contextlib import suppress
 
@@ -25,6 +27,7 @@ from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
 from parallama.checkpoint.formats import client_state
+from parallama.config.parts import locate
 from parallama.errors import ConfigError
 from parallama.training.callbacks import stop_signal
 from parallama.training.wandb_env import wandb_api_key_configured
@@ -210,9 +213,7 @@ def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> list[L.Callbac
     `ckpt_path` names (unless the logger's `id` is set), and the callback returned (`WandbRunId`, none without a
     W&B logger) names this run in every checkpoint it writes."""
     nodes = [
-        node
-        for node in (cfg.get("logger") or {}).values()
-        if node and node.get("_target_") == f"{__name__}.wandb_logger"
+        node for node in (cfg.get("logger") or {}).values() if node and is_wandb_logger(node.get("_target_"))
     ]
     run_id = client_state(ckpt_path).get(RUN_ID_KEY) if nodes and ckpt_path else None
     for node in nodes:
@@ -220,3 +221,15 @@ def continue_wandb_run(cfg: DictConfig, ckpt_path: str | None) -> list[L.Callbac
             with open_dict(node):
                 node.id = run_id
     return [WandbRunId()] if nodes else []
+
+
+def is_wandb_logger(target: str | None) -> bool:
+    """Whether the `_target_` of a logger names a W&B one: a subclass of Lightning's WandbLogger, or a function
+    whose return annotation is one (`wandb_logger`). One that does not import is not (its build says why)."""
+    try:
+        part = locate(target) if target else None
+        if part is not None and not isinstance(part, type):
+            part = typing.get_type_hints(part).get("return")
+    except Exception:  # ImportError, AttributeError, an annotation that does not resolve (NameError)
+        return False
+    return isinstance(part, type) and issubclass(part, WandbLogger)

@@ -146,7 +146,7 @@ OPTIONS = [  # each shipped option of the groups the schema covers (and the pres
 def test_every_shipped_option_is_valid_by_the_schema(option):
     from hydra import compose, initialize_config_dir
 
-    from parallama.app.checks import check_parts
+    from parallama.app.parts import check_parts
     from parallama.config.schema import check_schema
     from parallama.parallel.base import strategy_class
 

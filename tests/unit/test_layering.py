@@ -9,6 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hydra.utils import get_object
+
+import parallama.tokenizer
+import parallama.training.preemption
+
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
@@ -65,3 +70,15 @@ def test_every_import_inside_a_function_says_why():
                             f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}"
                         )
     assert not unexplained, "\n".join(sorted(set(unexplained)))
+
+
+def test_class_paths_that_moved_still_build_from_saved_configs():
+    """Saved run configs and checkpoints name parts by dotted path: each moved path is an alias of the new one
+    (docs/architecture.md, "Moved paths")."""
+    moved = {
+        "parallama.data.tokenizer.byte_level": parallama.tokenizer.byte_level,
+        "parallama.data.tokenizer.train_bpe": parallama.tokenizer.train_bpe,
+        "parallama.training.callbacks.PreemptionCheckpoint": parallama.training.preemption.PreemptionCheckpoint,
+    }
+    for old, new in moved.items():
+        assert get_object(old) is new, old

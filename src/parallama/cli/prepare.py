@@ -23,7 +23,7 @@ from typing import ClassVar
 import hydra
 from omegaconf import DictConfig
 
-from parallama.app.checks import check_parts
+from parallama.app.parts import check_parts
 from parallama.cli import app
 from parallama.config.schema import train_rules
 from parallama.data.cache import STEPS, TokenCache, load_tokenizer, source_key

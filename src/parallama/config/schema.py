@@ -221,7 +221,7 @@ SCHEMA: dict[str, type] = {
 
 def train_rules(*prefixes: str) -> dict[str, Rule]:
     """The rules of the training config by dotted key, for the tools that read part of it (parallama-prepare:
-    seed, data.); a part's keys are its own (`app.checks.check_parts`)."""
+    seed, data.); a part's keys are its own (`app.parts.check_parts`)."""
     found: dict[str, Rule] = {}
     for path, schema in SCHEMA.items():
         for name, rule in rules(schema).items():

@@ -1,5 +1,5 @@
 """An alias of `parallama.tokenizer` under its old path: run configs saved before it moved name
-`parallama.tokenizer.byte_level` (and `train_bpe`, `from_pretrained`) as their tokenizer's `_target_`."""
+`parallama.data.tokenizer.byte_level` (and `train_bpe`, `from_pretrained`) as their tokenizer's `_target_`."""
 
 from parallama.tokenizer import byte_level, from_pretrained, train_bpe
 

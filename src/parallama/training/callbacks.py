@@ -24,8 +24,8 @@ from parallama.training import syncs
 from parallama.training.module import ends_the_run
 
 # Saved run configs name `parallama.training.callbacks.PreemptionCheckpoint` (conf/callbacks/default.yaml did before
-# it moved), and training/loggers.py imports `stop_signal` from here: both stay importable
-from parallama.training.preemption import PreemptionCheckpoint, stop_signal  # noqa: F401
+# it moved to preemption.py): an alias, so they still build
+from parallama.training.preemption import PreemptionCheckpoint  # noqa: F401
 
 log = logging.getLogger("parallama")
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from parallama.checkpoint.formats import client_state
 from parallama.config.parts import locate
 from parallama.errors import ConfigError
-from parallama.training.callbacks import stop_signal
+from parallama.training.preemption import stop_signal
 from parallama.training.wandb_env import wandb_api_key_configured
 
 log = logging.getLogger("parallama")

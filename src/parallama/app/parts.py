@@ -85,7 +85,7 @@ def part(node: DictConfig):
     """The class or function a part's `_target_` names; None if it does not import (`check_targets` and the
     part's build say why)."""
     try:
-        return locate(node._target_)
+        return locate(node["_target_"])
     except Exception:  # ImportError, AttributeError, or what the module raised when imported
         return None
 

@@ -5,7 +5,8 @@ getting parallama's case wrong, and the kept code's docstring names the test.
 - the `devices` sweep launcher (sweeps/launcher.py) against Hydra's joblib and submitit-local launchers;
 - starting a run's ranks (runtime/launch.py) against Lightning's launcher, which re-runs `sys.argv`;
 - `locate` (config/parts.py) against Hydra's `get_object`, the atomic checkpoint write (checkpoint/atomic.py)
-  against Lightning's TorchCheckpointIO.
+  against Lightning's TorchCheckpointIO;
+- Muon as one optimizer (training/muon.py) against torch.optim.Muon.
 """
 
 from __future__ import annotations
@@ -211,3 +212,15 @@ def test_lightnings_checkpoint_io_writes_in_tmpdir_then_moves(tmp_path, monkeypa
     target = tmp_path / "checkpoints" / "last.ckpt"
     TorchCheckpointIO().save_checkpoint({"w": torch.zeros(4)}, target)
     assert moves == [(tmpdir, target)] and target.is_file()
+
+
+# --- Muon -------------------------------------------------------------------------------------------------------
+
+
+def test_torchs_muon_takes_only_matrices_so_it_cannot_be_the_one_optimizer():
+    """training/muon.py keeps torch.optim.Muon's update (test_muon.py::test_one_step_is_torchs_muon_and_adamw_run_
+    separately) but is one optimizer over every parameter: torch's refuses the norms' vectors and the embeddings'
+    AdamW keys, so it would need a second optimizer (Lightning's manual optimization) beside it."""
+    vector = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match="only supports 2D parameters"):
+        torch.optim.Muon([vector])

@@ -9,7 +9,8 @@ of as many as the launcher runs at once (`hydra/launcher: devices`), each job to
 (sweeps/pruning.py). At the end, `<sweep dir>/optimization_results.yaml` names the best trial's parameters, value,
 checkpoint and directory.
 
-Replaces hydra-optuna-sweeper (pinned to optuna 2.x, whose trials only return a final value) with the same keys
+Replaces hydra-optuna-sweeper (its latest, 1.3.0, still requires optuna<3 where parallama pins optuna 5; and its
+trials only return a final value, so nothing prunes) with the same keys
 and search-space syntax: `choice(...)`, `range(...)`, `interval(a, b)`, `tag(log, interval(a, b))`,
 `tag(int, interval(a, b))`, in `params` or as sweep overrides on the command line.
 """

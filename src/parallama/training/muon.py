@@ -18,6 +18,9 @@ ZeroRedundancyOptimizer builds one MuonAdamW per rank over that rank's parameter
 model_parallel's pipeline stages are DTensors on their own stage's data-parallel mesh (size 1 without one). The
 AdamW side is torch's AdamW (`fused` on CUDA through `adamw_fused`), stepped over the same state.
 
+Not torch.optim.Muon itself: it takes only matrices, so it could not be the one optimizer Lightning steps
+(test_library_gaps.py::test_torchs_muon_takes_only_matrices_so_it_cannot_be_the_one_optimizer).
+
 The state is one torch optimizer state: `state_dict`/`load_state_dict`/`zero_grad` are `torch.optim.Optimizer`'s,
 so Lightning checkpoints, torch's distributed state dicts (fsdp, model_parallel) and the universal resume
 (optimizer state keyed by parameter name) take it as they take AdamW's.

@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from omegaconf import OmegaConf
 
+from parallama.checkpoint.formats import verify_checkpoint
 from parallama.checkpoint.read import load_checkpoint
-from parallama.checkpoint.untrusted import read_dcp_metadata, verify_checkpoint, weights_only_loads
+from parallama.checkpoint.untrusted import read_dcp_metadata, weights_only_loads
 from parallama.errors import ConfigError
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama

@@ -17,9 +17,9 @@ from corruption import flip_a_tensor_byte
 
 from parallama.checkpoint import integrity
 from parallama.checkpoint.atomic import AtomicCheckpointIO, AtomicFolderCheckpoints, save_file
+from parallama.checkpoint.formats import verify_checkpoint
 from parallama.checkpoint.read import load_checkpoint
 from parallama.checkpoint.resume import resolve_ckpt_path
-from parallama.checkpoint.untrusted import verify_checkpoint
 from parallama.errors import ConfigError, Preempted
 from parallama.models.llama.config import LlamaConfig
 from parallama.models.llama.model import Llama

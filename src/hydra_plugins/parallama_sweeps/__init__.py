@@ -2,6 +2,8 @@
 parallama.sweeps and are named here (conf/hydra/launcher/devices.yaml, conf/hydra/sweeper/grid.yaml,
 conf/hydra/sweeper/optuna_pruning.yaml)."""
 
+from hydra.core.plugins import Plugins
+
 from parallama.sweeps import grid, launcher, optuna_sweeper
 
 
@@ -15,3 +17,10 @@ class OptunaPruningSweeper(optuna_sweeper.OptunaPruningSweeper):
 
 class GridSweeper(grid.GridSweeper):
     __doc__ = grid.GridSweeper.__doc__
+
+
+def register() -> None:
+    """Hydra finds launchers and sweepers by scanning the `hydra_plugins` namespace, a scan that does not see
+    packages installed in editable mode (`pip install -e`): parallama's are registered by hand as well."""
+    for plugin in (DeviceLauncher, GridSweeper, OptunaPruningSweeper):
+        Plugins.instance().register(plugin)

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from parallama.checkpoint import universal
-from parallama.checkpoint.formats import INFO_KEY, LIGHTNING_TENSORS
-from parallama.checkpoint.untrusted import verify_checkpoint
+from parallama.checkpoint.formats import INFO_KEY, LIGHTNING_TENSORS, verify_checkpoint
 from parallama.errors import ConfigError
 from parallama.runtime.launch import needs_launch, start_ranks, use_private_torch_extensions
 

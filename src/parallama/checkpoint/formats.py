@@ -103,3 +103,23 @@ def _read_client_state(file: str, mtime_ns: int, size: int) -> dict:
     state = load_weights_only(file, mmap=True)  # the weights stay on disk, unread
     drop = (*LIGHTNING_TENSORS, *DEEPSPEED_KEYS)
     return copy.deepcopy({k: v for k, v in state.items() if k not in drop})  # and unmapped once read
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Before resuming with ckpt_path=<file or folder>: Lightning and DeepSpeed unpickle with full pickle,
+    so check first that every pickle in it loads weights-only with the allow-list (else a one-line error)."""
+    from parallama.checkpoint.integrity import verify  # start-up time (hydra)
+    from parallama.checkpoint.untrusted import (  # torch-free module
+        load_weights_only,
+        verify_dcp,
+        verify_deepspeed,
+    )
+
+    fmt = detect(path)
+    verify(path)  # its checksums first: a corrupt byte is named as such, not as whatever it breaks
+    check = {
+        "file": lambda p: load_weights_only(p, mmap=True),
+        "deepspeed": verify_deepspeed,
+        "dcp": verify_dcp,
+    }
+    check[fmt](str(path))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from parallama.checkpoint.formats import client_state
+from parallama.checkpoint.formats import client_state, verify_checkpoint
 from parallama.checkpoint.integrity import note_once, problem, verify
 from parallama.errors import ConfigError
 from parallama.models import DEFAULT_FAMILY, model_spec
@@ -197,8 +197,6 @@ def check_model_matches(ckpt_path: str, model: dict, strict: bool = True) -> dic
 def check_resume(ckpt_path: str, model: dict, datamodule, max_steps: int) -> None:
     """Before `trainer.fit(ckpt_path=...)`: Lightning and DeepSpeed unpickle the checkpoint in full, so nothing in
     it may run code; then the same model shape, something left to train, the same data order."""
-    from parallama.checkpoint.untrusted import verify_checkpoint  # torch-free module
-
     verify_checkpoint(ckpt_path)
     state = check_model_matches(ckpt_path, model)
     step = state.get("global_step", 0)

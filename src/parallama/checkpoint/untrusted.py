@@ -3,7 +3,7 @@ allow-list of the few non-tensor types each format really contains (found on rea
 else is refused by name in one line.
 
 Separate from `checkpoint`, which reads weights and client state: this is the safety layer under it and under
-resuming (`verify_checkpoint` before Lightning or DeepSpeed unpickle with full pickle; `parallel.universal` and
+resuming (formats.py `verify_checkpoint` before Lightning or DeepSpeed unpickle with full pickle; `parallel.universal` and
 `parallel.zero_state` read through it too). DeepSpeed and DCP unpickle with full pickle themselves, so they run
 under `weights_only_loads`, and DCP's `.metadata` is read by a restricted unpickler.
 """
@@ -24,7 +24,6 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
 
-from parallama.checkpoint.formats import detect
 from parallama.errors import ConfigError
 from parallama.runtime.compat import dcp_metadata_private_types
 
@@ -183,18 +182,3 @@ def verify_dcp(path: str | os.PathLike):
     for file in sorted(Path(path).glob("*.pt")):
         load_weights_only(str(file), mmap=True)
     return metadata
-
-
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Before resuming with ckpt_path=<file or folder>: Lightning and DeepSpeed unpickle with full pickle,
-    so check first that every pickle in it loads weights-only with the allow-list (else a one-line error)."""
-    from parallama.checkpoint.integrity import verify  # start-up time (hydra)
-
-    fmt = detect(path)
-    verify(path)  # its checksums first: a corrupt byte is named as such, not as whatever it breaks
-    check = {
-        "file": lambda p: load_weights_only(p, mmap=True),
-        "deepspeed": verify_deepspeed,
-        "dcp": verify_dcp,
-    }
-    check[fmt](str(path))

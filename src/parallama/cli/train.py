@@ -17,7 +17,6 @@ from parallama.cli import app
 from parallama.errors import EXIT_BAD_INPUT, ConfigError, RankDied, TrainingDiverged, exit_status
 from parallama.runtime import faults
 from parallama.runtime.launch import pin_to_job_cores, use_private_torch_extensions
-from parallama.sweeps import register_plugins
 
 
 def train_job(cfg: DictConfig) -> float | None:
@@ -77,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
 def setup() -> None:
     """Once the config passed."""
 
+    import hydra_plugins.parallama_sweeps as sweeps  # start-up time (the sweeps' modules)
+
     use_private_torch_extensions()
-    register_plugins()
+    sweeps.register()
     # parallama's data module restores the position inside the epoch itself (TextDataModule.state_dict), so
     # Lightning's warning that the loader "is not resumable" does not apply.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

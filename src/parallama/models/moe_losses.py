@@ -12,16 +12,13 @@ microbatch's) read when that backward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from parallama.runtime import compat
-
-if TYPE_CHECKING:
-    from parallama.models.moe import MoE
 
 
 @dataclass
@@ -32,6 +29,21 @@ class Routing:
     tokens_per_expert: Tensor
     mean_probs: Tensor
     z: Tensor
+
+
+class MoE(Protocol):
+    """What the losses read and set of a block (moe.py `MoE`), stated here so that this module needs no import
+    of the block that imports it."""
+
+    num_experts: int
+    top_k: int
+    aux_loss_coef: float
+    z_loss_coef: float
+    gate: torch.nn.Module  # TopKRouter: `bias_update_rate`, `update_bias`
+    count_group: dist.ProcessGroup | None
+    routing: Routing | None
+    stage: StageLosses | None
+    step_tokens: Tensor | None
 
 
 @dataclass

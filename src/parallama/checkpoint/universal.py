@@ -94,7 +94,7 @@ def _read_deepspeed(path: str, optimizer: bool) -> UniversalState:
     verify_deepspeed(path)
     try:
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads(deepspeed_types()):
-            # optional dependency
+            # start-up time (deepspeed)
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             model = get_fp32_state_dict_from_zero_checkpoint(path, tag.name)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from parallama import CONF_DIR
 from parallama.app.compose import compose_tool, preflight
 from parallama.errors import exit_status
+from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
 from parallama.runtime.quiet import quiet_known_warnings
 
 log = logging.getLogger("parallama")
@@ -101,8 +102,6 @@ def guarded(task: Callable[[DictConfig], Any], log_errors: bool) -> Callable[[Di
             status, line = exit_status(err)
             if status is None:
                 raise  # a bug: the whole traceback
-            from parallama.runtime.launch import SweepJobEnded, hand_to_sweep  # optional dependency
-
             if status == 0:
                 if not getattr(err, "said", False):
                     log.warning(line)

@@ -64,10 +64,7 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     def how(c):
         return selective if c == "selective" else c
 
-    # torch-free module
-    from parallama.distributed.float8 import (
-        converted_share,  # torch: the command line's start stays without it
-    )
+    from parallama.distributed.float8 import converted_share  # torch-free module
 
     float8 = cfg.get("float8")
     terms = dict(

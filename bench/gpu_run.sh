@@ -6,12 +6,13 @@
 # Each call installs .whl/ offline (no internet there; seconds), then runs its part; every benchmark writes its
 # JSON under bench/results/ as it goes (a call cut short keeps what it measured) and the script copies them to
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
-# What the 2026-11-27 lease measured is in bench/results/*_h100*.json (docs/benchmarks.md, "train-gpu"); these two
-# calls are what it left unmeasured, each arm in 2 interleaved rounds of 3 windows (about 8 arm runs a call):
-#   1: the 1B's default, Muon against AdamW at 16 micro-batches (128k tokens) a step, the 1B at batch 8.
-#   2: the optimizer step alone (bench optim-step), the 180M (its default, padding off, compile off) and the
-#      1B's float8 beside its default.
-# `bash bench/gpu_run.sh 3` runs the set the 2026-11-27 lease ran first (the goals' arms, torchtitan, the 8B shape).
+# What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
+# "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows (about 10 arm runs a call):
+#   1: the 1B's default, Muon against AdamW at 16 micro-batches (128k tokens) a step, the 180M padded and not.
+#   2: the optimizer step alone (bench optim-step), the 180M (its default, padded, compile off) and the 1B's
+#      float8 beside its default.
+#   3: the set the first (H100) lease ran first: the loss alone, the 1B against torchtitan 0.2.2, the fused loss,
+#      float8 on the 1B and the 8B shape (the H200 lease ran 1 and 2, not 3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -24,16 +25,16 @@ python3 -c "import torch, lightning, hydra, torchao; print('torch', torch.__vers
 mkdir -p bench/results
 status=0
 case "$call" in
-  1)  # the 1B's default, Muon against AdamW at 128k tokens a step, and the 1B at batch 8
-    python3 -m bench train-gpu --models llama3_2_1b --budget-s "$budget" --cache-dir /tmp/cache \
-      --arms default accumulate=16 'optimizer=muon accumulate=16' data.batch_size=8 \
-      --out bench/results/train_gpu.json || status=$?
+  1)  # the 1B's default, Muon against AdamW at 128k tokens a step, the 180M's default and its head unpadded
+    python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$budget" --cache-dir /tmp/cache \
+      --arms llama3_2_1b:default llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' \
+      llama_180m:default llama_180m:pad_vocab_multiple=64 --out bench/results/train_gpu.json || status=$?
     ;;
   2)  # the 180M (padding on and off, the old default) and the 1B's float8 beside its default again
     timeout 60 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
     left=$(( budget - ($(date +%s) - start) ))
     python3 -m bench train-gpu --models llama_180m llama3_2_1b --budget-s "$left" --cache-dir /tmp/cache \
-      --arms llama_180m:default llama_180m:pad_vocab_multiple=1 llama_180m:compile=false \
+      --arms llama_180m:default llama_180m:pad_vocab_multiple=64 llama_180m:compile=false \
       llama3_2_1b:default llama3_2_1b:float8=tensorwise --out bench/results/train_gpu_2.json || status=$?
     ;;
   3)  # the goals' arms as first measured: the 1B's levers against torchtitan 0.2.2, the 8B shape, the loss alone

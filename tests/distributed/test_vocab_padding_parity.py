@@ -27,13 +27,14 @@ COMMON = [
     "validate_before_training=false",
     "sample.max_new_tokens=0",
 ]
+PAD = "model.pad_vocab_multiple=64"
 LAYOUTS = {  # name: (ranks, per-rank batch, overrides); each trains on the global batch 8
-    "padded": (1, 8, []),
+    "padded": (1, 8, [PAD]),
     "unpadded": (1, 8, ["model.pad_vocab_multiple=1"]),
-    "fsdp": (2, 4, ["strategy=fsdp"]),
-    "tp": (2, 8, ["strategy=model_parallel", "strategy.tp=2"]),
-    "pp": (2, 8, ["strategy=model_parallel", "strategy.pp=2"]),
-    "cp": (2, 8, ["strategy=model_parallel", "strategy.cp=2"]),
+    "fsdp": (2, 4, [PAD, "strategy=fsdp"]),
+    "tp": (2, 8, [PAD, "strategy=model_parallel", "strategy.tp=2"]),
+    "pp": (2, 8, [PAD, "strategy=model_parallel", "strategy.pp=2"]),
+    "cp": (2, 8, [PAD, "strategy=model_parallel", "strategy.cp=2"]),
 }
 
 

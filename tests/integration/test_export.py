@@ -98,7 +98,7 @@ def test_export_of_a_padded_head_writes_the_true_vocabulary(tmp_path, tie):
     and init_from reads it back into a model of any padding."""
     shape = {**SHAPE, "vocab_size": 300}
     torch.manual_seed(0)
-    ours = Llama(LlamaConfig(**shape, tie_word_embeddings=tie))
+    ours = Llama(LlamaConfig(**shape, tie_word_embeddings=tie, pad_vocab_multiple=64))
     save_hf_folder(tmp_path, ours.state_dict(), ours.config, byte_level().to_str())
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["vocab_size"] == 300 and "pad_vocab_multiple" not in config

@@ -141,7 +141,7 @@ def test_parameters_count_and_hf_config_keep_the_true_vocabulary():
     assert model.config.num_params() == sum(p.numel() for p in model.parameters())
     hf = model.config.to_hf_dict()
     assert hf["vocab_size"] == VOCAB and "pad_vocab_multiple" not in hf
-    assert type(model.config).from_hf_dict(hf).pad_vocab_multiple == 64
+    assert type(model.config).from_hf_dict(hf).pad_vocab_multiple == 1  # parallama's default: off
 
 
 @pytest.mark.parametrize("value", [0, -64, 1.5, "64"])

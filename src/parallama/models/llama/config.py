@@ -52,8 +52,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # The head's matmul runs on a vocabulary padded to a multiple of this (1: as it is); what anyone sees, the
-    # logits, the checkpoints and the HF folders, keeps vocab_size (model.py `Llama.logits`)
-    pad_vocab_multiple: int = 64
+    # logits, the checkpoints and the HF folders, keeps vocab_size (model.py `Llama.logits`). Off by default: on an
+    # H200 the 180M's 50000 padded to 50048 ran 0.95x (docs/benchmarks.md, `train-gpu`)
+    pad_vocab_multiple: int = 1
 
     def __post_init__(self):
         """Fail at config time, naming the Hydra key to fix, not deep inside a forward pass."""

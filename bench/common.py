@@ -10,6 +10,7 @@ import platform
 import socket
 import statistics
 import sys
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -124,7 +125,8 @@ def free_port() -> int:
 def spawn_ranks(target, world: int, *args) -> list:
     """Run `target(rank, world, port, *args, queue)` in `world` spawned processes (gloo on `port`); what the ranks
     put on the queue. Spawn, not fork: a fork of this multi-threaded process hung now and then (locks held by
-    other threads)."""
+    other threads). The queue is read while they run: a rank that puts more than the pipe holds would otherwise
+    wait on its put while this waited on its exit."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -132,11 +134,13 @@ def spawn_ranks(target, world: int, *args) -> list:
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
+    results = []
+    while any(p.is_alive() for p in procs) or not queue.empty():
+        while not queue.empty():
+            results.append(queue.get())
+        time.sleep(0.05)
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    results = []
-    while not queue.empty():
-        results.append(queue.get())
     return results

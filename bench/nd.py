@@ -1,7 +1,7 @@
 """`nd`: N-D parallel layouts side by side: step time and bytes communicated per optimizer step, as ratios to FSDP.
 
 Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
-(gloo on CPU, NCCL on GPUs; started with torch.multiprocessing's spawn) through its family's own plan
+(gloo on CPU, NCCL on GPUs; started once with torch.multiprocessing's spawn, every layout and round in them) through its family's own plan
 (the Llama's `models/llama/parallelize.parallelize`, with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
 a data-parallel rank trains global batch / dp samples, the tp and pp ranks of a batch share it. Pipeline layouts
 split the model into pp stages in the plan and train through `parallel.pipeline.Pipeline` (the schedule's
@@ -119,7 +119,30 @@ def expert_bytes(prof) -> dict[str, int]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
+def _rank(rank: int, world: int, port: int, schedule: list[tuple[int, str]], args, queue) -> None:
+    """One rank of the whole run: every (round, layout) of `schedule` in order, in one process group, so that the
+    ranks start (and import torch) once, not once per layout and round."""
+    import torch.distributed as dist
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for r, name in schedule:
+        result = _measure_here(rank, world, LAYOUTS[name], args, device)
+        queue.put({"round": r, "layout": name, "rank": rank, **result})
+        if cuda:
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+def _measure_here(rank: int, world: int, layout: dict, args, device: torch.device) -> dict:
+    """This rank's median step time and the bytes it handed to the backend in one profiled step, for one layout
+    (its own mesh, model and optimizer, built from the same seed as every other layout's)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
@@ -130,14 +153,7 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
     from parallama.parallel.strategies.model_parallel import clip_grad_norm_
     from parallama.training.loss import CrossEntropy
 
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cuda = device.type == "cuda"
     dims = ParallelDims.resolve(world, **mesh_sizes(layout))
     mesh = dims.build_mesh(device.type)
     tp = dims.tp > 1
@@ -198,17 +214,22 @@ def _rank(rank: int, world: int, port: int, layout: dict, args, queue) -> None:
         times.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    queue.put({"rank": rank, "step_s": statistics.median(times), "bytes": collective_bytes(prof)})
-    dist.destroy_process_group()
+    return {"step_s": statistics.median(times), "bytes": collective_bytes(prof)}
 
 
-def measure(layout: dict, args) -> dict:
-    """Rank 0's median step time, the bytes per step averaged over the ranks."""
-    ranks = sorted(spawn_ranks(_rank, args.world, layout, args), key=lambda r: r["rank"])
-    kinds = {kind for r in ranks for kind in r["bytes"]}
-    volume = {kind: sum(r["bytes"].get(kind, 0) for r in ranks) / len(ranks) for kind in sorted(kinds)}
-    dims = ParallelDims.resolve(args.world, **mesh_sizes(layout))
-    return {"step_s": ranks[0]["step_s"], "bytes": volume, "dims": dims.sizes()}
+def measure_all(schedule: list[tuple[int, str]], args) -> dict[tuple[int, str], dict]:
+    """Each (round, layout)'s rank-0 median step time and bytes per step averaged over the ranks."""
+    by_run: dict[tuple[int, str], list[dict]] = {}
+    for result in spawn_ranks(_rank, args.world, schedule, args):
+        by_run.setdefault((result["round"], result["layout"]), []).append(result)
+    out = {}
+    for (r, name), ranks in by_run.items():
+        ranks.sort(key=lambda x: x["rank"])
+        kinds = {kind for x in ranks for kind in x["bytes"]}
+        volume = {kind: sum(x["bytes"].get(kind, 0) for x in ranks) / len(ranks) for kind in sorted(kinds)}
+        dims = ParallelDims.resolve(args.world, **mesh_sizes(LAYOUTS[name]))
+        out[r, name] = {"step_s": ranks[0]["step_s"], "bytes": volume, "dims": dims.sizes()}
+    return out
 
 
 def fits(layout: dict, world: int) -> bool:
@@ -255,13 +276,13 @@ def run(args) -> dict:
         f"layouts: {', '.join(layouts)}"
         + (f"; pp schedule {args.pp_schedule}" if any("pp" in layout for layout in layouts.values()) else "")
     )
-    rounds: dict[str, list[dict]] = {name: [] for name in layouts}
+    schedule = [(r, name) for r in range(args.repeats) for name in layouts]
+    measured = measure_all(schedule, args)
+    rounds: dict[str, list[dict]] = {
+        name: [measured[r, name] for r in range(args.repeats)] for name in layouts
+    }
     for r in range(args.repeats):
-        for name, layout in layouts.items():
-            rounds[name].append(measure(layout, args))
-        print(
-            f"round {r + 1}: " + "  ".join(f"{n} {v[-1]['step_s'] * 1e3:.0f} ms" for n, v in rounds.items())
-        )
+        print(f"round {r + 1}: " + "  ".join(f"{n} {v[r]['step_s'] * 1e3:.0f} ms" for n, v in rounds.items()))
     base = "fsdp"
     results: dict = {"config": vars(args), "layouts": {}}
     print(

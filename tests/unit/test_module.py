@@ -125,6 +125,21 @@ def test_global_batch_derives_accumulation():
     assert cfg.trainer.accumulate_grad_batches == 4
 
 
+@pytest.mark.parametrize(
+    "overrides, batch, accumulate",
+    [
+        (["trainer.devices=1"], 64, 1),  # one GPU: the global batch in one micro-batch
+        (["trainer.devices=2"], 32, 1),
+        (["trainer.devices=2", "trainer.accumulate_grad_batches=4"], 8, 4),
+    ],
+)
+def test_a_null_batch_size_takes_the_global_batch_per_replica(overrides, batch, accumulate):
+    """conf/experiment/article_180m.yaml's `data.batch_size: null`: one preset for one GPU and for eight."""
+    cfg = compose_train("global_batch_size=64", "data.batch_size=null", "trainer.accelerator=cpu", *overrides)
+    check_config(cfg)
+    assert (cfg.data.batch_size, cfg.trainer.accumulate_grad_batches) == (batch, accumulate)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "llama_180m", "llama3_2_1b", "llama3_8b"])
 def test_model_presets_validate_and_have_the_documented_size(preset):
     from omegaconf import OmegaConf

@@ -110,6 +110,15 @@ def test_8b_on_8_gpus_is_sharded_and_tiny_on_one_is_ddp():
     assert "320" in tiny["notes"][0]  # byte tokenizer's 260 tokens, rounded up
 
 
+def test_the_article_preset_plans_its_global_batch_as_one_micro_batch_per_gpu():
+    """experiment=article_180m's `data.batch_size: null`: 64 samples on one GPU, 8 on each of eight."""
+    for devices, batch in ((1, 64), (8, 8)):
+        overrides = ["experiment=article_180m", f"trainer.devices={devices}"]
+        result = plan(compose(overrides), 80, overrides)
+        assert result["micro_batch"] == batch
+        assert f"data.batch_size=null: {batch} per data-parallel replica" in " ".join(result["notes"])
+
+
 def test_sharding_is_tried_before_checkpointing_and_the_reason_says_so():
     """8B at seq 8192 on 8 x 80 GB: ZeRO-2 fits with selective checkpointing, FSDP without; FSDP is recommended,
     and its reason no longer reads as if ZeRO-2 could not fit at all (a user's walk through the docs found it)."""

@@ -58,6 +58,7 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
         check_your_trainer(cfg.trainer)
         _check_devices(trainer)
         _check_strategy(cfg)
+        apply_global_batch(cfg)  # before the layout's checks, which read the (derived) micro-batch
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
         apply_derived(cfg)
         check_inputs(cfg)  # last: it may read a checkpoint's small client state
@@ -268,9 +269,14 @@ def apply_val_check_epochs(cfg: DictConfig) -> None:
 
 def apply_global_batch(cfg: DictConfig) -> None:
     """`global_batch_size`, when set, fixes trainer.accumulate_grad_batches for the run's data-parallel size
-    (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take)."""
+    (its data-parallel replicas: devices x nodes, less what tensor, context and pipeline parallelism take).
+    `data.batch_size: null` takes the global batch in one micro-batch per replica instead (divided by
+    trainer.accumulate_grad_batches where that is set), so one preset feeds one GPU and eight alike
+    (conf/experiment/article_180m.yaml)."""
 
     global_batch = cfg.get("global_batch_size")
+    if cfg.data.batch_size is None:
+        _derive_batch_size(cfg, global_batch)
     if global_batch is None:
         return
     dims = dims_of_config(cfg)
@@ -289,3 +295,22 @@ def apply_global_batch(cfg: DictConfig) -> None:
         )
     with open_dict(cfg):
         cfg.trainer.accumulate_grad_batches = global_batch // per_step
+
+
+def _derive_batch_size(cfg: DictConfig, global_batch: int | None) -> None:
+    """data.batch_size = global_batch_size / (data-parallel size x trainer.accumulate_grad_batches)."""
+    if global_batch is None:
+        raise ConfigError(
+            "data.batch_size=null takes its micro-batch from global_batch_size, which is null too; "
+            "set global_batch_size or data.batch_size"
+        )
+    dims, accumulate = dims_of_config(cfg), cfg.trainer.accumulate_grad_batches
+    replicas = dims.dp_size * accumulate
+    if global_batch % replicas:
+        of = "" if accumulate == 1 else f" x trainer.accumulate_grad_batches={accumulate}"
+        raise ConfigError(
+            f"data.batch_size=null splits global_batch_size={global_batch} over {dims.dp_size} data-parallel "
+            f"replica(s){of}, which does not divide it; set data.batch_size or another global_batch_size"
+        )
+    with open_dict(cfg):
+        cfg.data.batch_size = global_batch // replicas

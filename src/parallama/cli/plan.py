@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Column, Table
 
+from parallama.app.checks import apply_global_batch
 from parallama.app.compose import compose_tool
 from parallama.cli import app
 from parallama.distributed.dims import dims_of_config, processes_per_node
@@ -82,6 +83,12 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
     if terms["loss_impl"] == "fused":
         notes.append("loss.impl=fused: no logits or their gradient over the whole batch, one chunk at a time")
 
+    if cfg.data.batch_size is None:
+        apply_global_batch(cfg)
+        notes.append(
+            f"data.batch_size=null: {cfg.data.batch_size} per data-parallel replica (global_batch_size over this "
+            "config's layout), in every layout compared"
+        )
     nodes, per_node = cfg.trainer.num_nodes, processes_per_node(cfg.trainer.devices)
     shape = dict(world_size=nodes * per_node, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
     plans = {

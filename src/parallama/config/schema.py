@@ -110,7 +110,7 @@ class Data:
 
     tokenizer: Any = key("${tokenizer}")
     seq_len: int = key(256, POSITIVE)
-    batch_size: int = key(16, POSITIVE)
+    batch_size: int | None = key(16, SOME)  # null: global_batch_size / data-parallel size
     packing: bool = key(True, BOOL)
     document_mask: bool = key(False, BOOL)
     val_fraction: float = key(0.05, Rule(float, 0, 1, open="high"))

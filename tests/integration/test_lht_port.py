@@ -274,6 +274,7 @@ def test_experiments(tmp_path: Path, data_cache) -> None:
         "model.hidden_size=192",  # divisible by article_180m's 12 heads
         "model.intermediate_size=384",
         "model.num_hidden_layers=2",
+        "data.batch_size=8",  # article_180m's null is 64 samples in one micro-batch on one device
     ] + overrides
     run_sh_command(command, data_cache, tmp_path)
 

@@ -1,8 +1,8 @@
 """`nd`: N-D parallel layouts side by side: step time and bytes communicated per optimizer step, as ratios to FSDP.
 
 Each layout trains the same model on the same global batch for `--warmup` + `--steps` steps in `--world` ranks
-(gloo on CPU, NCCL on GPUs; started once with torch.multiprocessing's spawn, every layout and round in them) through its family's own plan
-(the Llama's `models/llama/parallelize.parallelize`, with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
+(gloo on CPU, NCCL on GPUs; started once with torch.multiprocessing's spawn, every layout and round in them)
+through its family's own plan (the Llama's `models/llama/parallelize.parallelize`, with `ParallelizeOptions`, as `strategy=model_parallel` applies it):
 a data-parallel rank trains global batch / dp samples, the tp and pp ranks of a batch share it. Pipeline layouts
 split the model into pp stages in the plan and train through `parallel.pipeline.Pipeline` (the schedule's
 forward and backward over microbatches, the loss on the last stage), as the strategy does. Layouts alternate for

@@ -51,7 +51,7 @@ def test_omegaconf_cannot_hold_the_trainer_schema():
 @pytest.mark.parametrize(
     "cls, path, value, line",
     [
-        (schema.Data, "data.batch_size", 0, "data.batch_size=0 is not valid; use an integer >= 1"),
+        (schema.Data, "data.batch_size", 0, "data.batch_size=0 is not valid; use an integer >= 1 or null"),
         (schema.Data, "data.val_fraction", 1.5, "data.val_fraction=1.5 is not valid; use a number in [0, 1)"),
         (schema.Run, "compile", "max", "compile='max' is not valid; use one of 'auto' or true or false"),
         (

@@ -58,9 +58,8 @@ def check_config(cfg: DictConfig, hardware: bool = True) -> None:
         check_your_trainer(cfg.trainer)
         _check_devices(trainer)
         _check_strategy(cfg)
-        apply_global_batch(cfg)  # before the layout's checks, which read the (derived) micro-batch
+        apply_derived(cfg)  # before the layout's checks, which read the (derived) micro-batch
         check_layout(cfg, on_gpu=uses_gpu(cfg.trainer.accelerator))
-        apply_derived(cfg)
         check_inputs(cfg)  # last: it may read a checkpoint's small client state
 
 

@@ -9,9 +9,11 @@
 # What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows (about 10 arm runs a call):
 #   1: every goal of issue #37 that one call can hold, side by side on one card: the 1B's default, torchtitan
-#      0.2.2's best, float8, Muon against AdamW at 16 micro-batches (128k tokens) a step, the 180M's default.
+#      0.2.2's best, float8, Muon (standard and ns_method=gram) against AdamW at 16 micro-batches (128k tokens) a
+#      step, the 180M's default.
 #   2: the loss alone (bench loss), the fused loss in training, the 8B shape in bf16 and float8, the 180M padded.
-#   3: the optimizer step alone (bench optim-step), the old default (compile=false) and the 1B at batch 8.
+#   3: the optimizer step alone (bench optim-step: AdamW, Muon, Muon by the Gram matrix), the old default
+#      (compile=false) and the 1B at batch 8.
 # The H200 lease (13:46 UTC) ran the calls then numbered 1 and 2 (now parts of 1, 2 and 3); the H100 lease (04:59)
 # ran most of 1 and 2 before the defaults' last changes.
 set -uo pipefail
@@ -29,7 +31,8 @@ case "$call" in
   1)  # the goals side by side: the 1B's default against torchtitan's best, float8, Muon vs AdamW; the 180M
     python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$budget" --cache-dir /tmp/cache \
       --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:float8=tensorwise \
-      llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' llama_180m:default \
+      llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' \
+      'llama3_2_1b:muon gram accumulate=16' llama_180m:default \
       --out bench/results/train_gpu.json || status=$?
     ;;
   2)  # the loss alone and in training, the 8B shape (float8's claimed gains), the 180M's head padded

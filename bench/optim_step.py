@@ -1,10 +1,11 @@
 """`optim-step`: one `optimizer.step()` over Llama-3.2-1B's parameters (conf/model/llama3_2_1b.yaml, fp32 as
-parallama-train keeps them, random gradients) on one CUDA GPU, for three optimizers built from their conf files
+parallama-train keeps them, random gradients) on one CUDA GPU, for four optimizers built from their conf files
 as parallama-train builds them on a GPU:
 
 - `adamw`: optimizer=adamw (`fused: null` resolves to torch's fused AdamW);
 - `muon`: optimizer=muon (training/muon.py: batched, compiled Newton-Schulz; `adamw_fused: null` resolves to a
   fused AdamW side);
+- `muon_gram`: optimizer=muon optimizer.ns_method=gram (the iteration on the Gram matrix, newton_schulz.py);
 - `muon_one_by_one`: what optimizer=muon ran before: torch.optim.Muon's per-matrix loop on the blocks' matrices
   and torch's default (foreach) AdamW on the rest, which the old MuonAdamW equalled bit for bit.
 
@@ -23,7 +24,8 @@ from omegaconf import OmegaConf
 
 from bench.common import ROOT, machine, median, preset, print_machine, save, sync
 
-ARMS = ("adamw", "muon", "muon_one_by_one")
+ARMS = ("adamw", "muon", "muon_gram", "muon_one_by_one")
+VARIANTS = {"muon_gram": ("muon", {"ns_method": "gram"})}  # arm: (conf file, keys over it)
 
 
 def add_arguments(p) -> None:
@@ -55,8 +57,9 @@ def build(arm: str, model, on_gpu: bool):
     ]
     if arm == "muon_one_by_one":
         return OneByOne(model, groups, optimizer_config("muon"))
+    name, keys = VARIANTS.get(arm, (arm, {}))
     factory = with_fused_default(
-        optimizer_factory(optimizer_config(arm)), on_gpu=on_gpu, loss_scaled=False, clipping=True
+        optimizer_factory({**optimizer_config(name), **keys}), on_gpu=on_gpu, loss_scaled=False, clipping=True
     )
     if getattr(factory.func, "takes_hidden_matrices", False):
         groups = mark_hidden_matrices(groups, model)
@@ -146,9 +149,11 @@ def run(args) -> dict:
     matrices = hidden_matrices(model)
     ns_steps = optimizer_config("muon")["ns_steps"]
     ns_flops = sum(iteration_flops(*p.shape, ns_steps) for p in matrices)
+    gram_flops = sum(iteration_flops(*p.shape, ns_steps, "gram") for p in matrices)
     print(
         f"# {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-        f"{len(matrices)} Muon matrices ({ns_flops / 1e12:.2f} TFLOP of Newton-Schulz per step), on {device}"
+        f"{len(matrices)} Muon matrices ({ns_flops / 1e12:.2f} TFLOP of Newton-Schulz per step, "
+        f"{gram_flops / 1e12:.2f} by the Gram matrix), on {device}"
     )
     results = {}
     for arm in ARMS:
@@ -161,7 +166,10 @@ def run(args) -> dict:
     adamw = results["adamw"]["step_ms"]
     ratios = {arm: results[arm]["step_ms"] / adamw for arm in ARMS}
     speedup = results["muon_one_by_one"]["step_ms"] / results["muon"]["step_ms"]
-    print(f"# muon / adamw: {ratios['muon']:.2f}x; muon_one_by_one / adamw: {ratios['muon_one_by_one']:.2f}x")
+    print(
+        f"# muon / adamw: {ratios['muon']:.2f}x; muon_gram / adamw: {ratios['muon_gram']:.2f}x; "
+        f"muon_one_by_one / adamw: {ratios['muon_one_by_one']:.2f}x"
+    )
     print(f"# muon is {speedup:.2f}x faster than the one-by-one loop")
     out = {
         "model": args.model,
@@ -171,6 +179,7 @@ def run(args) -> dict:
         "repeats": args.repeats,
         "muon_matrices": len(matrices),
         "newton_schulz_tflop": ns_flops / 1e12,
+        "gram_newton_schulz_tflop": gram_flops / 1e12,
         "results": results,
         "ratios_to_adamw": ratios,
         "muon_speedup_over_one_by_one": speedup,

@@ -61,6 +61,11 @@ LEVERS = {  # arm -> overrides on top of the user's command
     "pad_vocab_multiple=64": ["model.pad_vocab_multiple=64"],
     "accumulate=16": ["trainer.accumulate_grad_batches=16"],
     "optimizer=muon accumulate=16": ["optimizer=muon", "trainer.accumulate_grad_batches=16"],
+    "muon gram accumulate=16": [
+        "optimizer=muon",
+        "optimizer.ns_method=gram",
+        "trainer.accumulate_grad_batches=16",
+    ],
 }
 TITAN = {  # torchtitan arms (bench/titan.py); "best": what the issue names its best settings
     "titan best": {"compile": True, "ac": "selective", "float8": "tensorwise"},
@@ -70,7 +75,8 @@ BARE = {"bare compile": True, "bare eager": False}
 PLAN = {  # per model, in the order round 1 runs them
     "llama3_2_1b": [
         "default", "titan best", "loss.impl=fused", "float8=tensorwise", "compile=false",
-        "titan compile", "optimizer=muon accumulate=16", "accumulate=16", "float8=rowwise", "ac=selective",
+        "titan compile", "optimizer=muon accumulate=16", "muon gram accumulate=16", "accumulate=16",
+        "float8=rowwise", "ac=selective",
         "callbacks=none", "data.batch_size=8", "bare compile",
     ],
     "llama_180m": ["default", "compile=false", "pad_vocab_multiple=64", "loss.impl=fused", "float8=tensorwise"],
@@ -243,6 +249,7 @@ RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
     "ac=selective / default": ("ac=selective", "default"),
     "default callbacks' cost (1 - default / callbacks=none)": ("default", "callbacks=none"),
     "optimizer=muon / adamw, both accumulate=16": ("optimizer=muon accumulate=16", "accumulate=16"),
+    "muon gram / adamw, both accumulate=16": ("muon gram accumulate=16", "accumulate=16"),
     "default / bare compile": ("default", "bare compile"),
     "data.batch_size=8 / default": ("data.batch_size=8", "default"),
     "pad_vocab_multiple=64 / default (vocabulary as it is)": ("pad_vocab_multiple=64", "default"),

@@ -2,7 +2,8 @@
 Newton-Schulz iteration on its share of the matrices only, and every rank ends with the weights one process
 computes, under each layout a matrix can have: whole replicas (ddp), Shard(0) on one mesh dimension (fsdp, also
 with an empty shard), (Replicate, Shard(0)) (HSDP) and (Shard(0), Shard(0)) / (Shard(0), Shard(1)) on a 2 x 2
-mesh (FSDP x TP's shapes; FSDP2's own placements over TP train in test_recipe.py's fsdp_tp). The counts are the
+mesh (FSDP x TP's shapes; FSDP2's own placements over TP train in test_recipe.py's fsdp_tp), the last also with
+`ns_method=gram` (its costs balance the shares). The counts are the
 matrices each rank's iteration received; whole matrices that are not replicas (ZeroRedundancyOptimizer's per-rank
 optimizers: `share_replicas=false`) are all orthogonalized by their rank. Every layout through parallama-train:
 tests/distributed/test_recipe.py."""
@@ -24,6 +25,7 @@ LAYOUTS = {  # name: (mesh shape, placements of the matrices, alternating; None:
     "hsdp": ((2, 2), [("replicate", "shard0")]),
     "fsdp_tp": ((2, 2), [("shard0", "shard0"), ("shard0", "shard1")]),
     "fsdp_bf16": ((WORLD,), [("shard0",)]),
+    "fsdp_tp_gram": ((2, 2), [("shard0", "shard0"), ("shard0", "shard1")]),  # ns_method=gram
 }
 
 
@@ -40,6 +42,7 @@ def _optimizer(params, layout: str, *, share_replicas: bool):
         [{"params": params, "muon": True}],
         lr=0.02,
         ns_dtype="bfloat16" if layout.endswith("bf16") else "float32",
+        ns_method="gram" if layout.endswith("gram") else "standard",
         share_replicas=share_replicas,
     )
 
@@ -53,13 +56,17 @@ def _rank(rank: int, init: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    iterate, counted = newton_schulz.newton_schulz, [0]
+    counted = [0]
 
-    def counting(batch, *args):
-        counted[0] += batch.shape[0]
-        return iterate(batch, *args)
+    def counting(iterate):
+        def counted_iteration(batch, *args):
+            counted[0] += batch.shape[0]
+            return iterate(batch, *args)
 
-    newton_schulz.newton_schulz = counting
+        return counted_iteration
+
+    newton_schulz.newton_schulz = counting(newton_schulz.newton_schulz)
+    newton_schulz.gram_newton_schulz = counting(newton_schulz.gram_newton_schulz)
 
     def local(tensor):
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor

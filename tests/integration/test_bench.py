@@ -165,11 +165,12 @@ def test_loss(capsys, tmp_path, cache):
 
 
 def test_optim_step(capsys, tmp_path, cache):
-    """`bench optim-step --dry-run` (AdamW, Muon and the old one-by-one Muon, one optimizer step each) on a tiny
+    """`bench optim-step --dry-run` (AdamW, Muon, Muon by the Gram matrix and the old one-by-one Muon) on a tiny
     Llama on the CPU; on a GPU it times Llama-3.2-1B's (docs/benchmarks.md)."""
     text, result = run(capsys, tmp_path, cache, "optim-step", "--dry-run")
     assert result["dry_run"] and result["device"] == "cpu" and result["model"] == "tiny"
-    assert set(result["results"]) == {"adamw", "muon", "muon_one_by_one"}
+    assert set(result["results"]) == {"adamw", "muon", "muon_gram", "muon_one_by_one"}
     assert all(r["step_ms"] > 0 for r in result["results"].values())
     assert result["muon_matrices"] == 4 * 7  # tiny: 4 blocks of 7 projections
+    assert 0 < result["gram_newton_schulz_tflop"] < result["newton_schulz_tflop"]
     assert "# muon / adamw: " in text

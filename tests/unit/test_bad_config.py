@@ -88,7 +88,10 @@ CASES = [  # (overrides, what the one line must say)
     (["global_batch_size=50", "data.batch_size=16"], "global_batch_size=50 is not a multiple of"),
     (["global_batch_size=0"], "global_batch_size=0 is not valid; use an integer >= 1 or null"),
     (["global_batch_size=32", "trainer.accumulate_grad_batches=4"], "set only one of them"),
-    (["data.batch_size=null"], "data.batch_size=null takes its micro-batch from global_batch_size, which is null"),
+    (
+        ["data.batch_size=null"],
+        "data.batch_size=null takes its micro-batch from global_batch_size, which is null",
+    ),
     (
         ["data.batch_size=null", "global_batch_size=63", "trainer.accelerator=cpu", "trainer.devices=2"],
         "data.batch_size=null splits global_batch_size=63 over 2 data-parallel replica(s), which does not divide",

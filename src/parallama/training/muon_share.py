@@ -55,9 +55,12 @@ def shares(counts: list[int], costs: list[int], world: int) -> list[list[int]]:
     return out
 
 
-def orthogonalized(pieces: list[Piece], coefficients, steps: int, eps: float, dtype) -> list[Tensor]:
-    """Each piece's update orthogonalized, as this rank's piece of the result (`result_placements`), on the
-    piece's device. Every rank of a mesh must call this with the same matrices in the same order."""
+def orthogonalized(
+    pieces: list[Piece], coefficients, steps: int, eps: float, dtype, method: str = "standard"
+) -> list[Tensor]:
+    """Each piece's update orthogonalized by `method` (newton_schulz.py), as this rank's piece of the result
+    (`result_placements`), on the piece's device. Every rank of a mesh must call this with the same matrices in the
+    same order."""
     alone = [i for i, piece in enumerate(pieces) if piece.alone]
     sets: dict[tuple, list[int]] = {}
     for i, piece in enumerate(pieces):
@@ -70,11 +73,11 @@ def orthogonalized(pieces: list[Piece], coefficients, steps: int, eps: float, dt
     exchanges = []
     for mesh, keys in by_mesh.items():
         counts = [len(sets[k]) for k in keys]
-        costs = [iteration_flops(*k[3], steps) for k in keys]
+        costs = [iteration_flops(*k[3], steps, method) for k in keys]
         for key, share in zip(keys, shares(counts, costs, mesh.size())):
             exchanges.append((sets[key], Exchange([pieces[i] for i in sets[key]], share, dtype)))
     owned = [matrix for _, exchange in exchanges for matrix in exchange.send()]
-    done = orthogonalize([pieces[i].local for i in alone] + owned, coefficients, steps, eps, dtype)
+    done = orthogonalize([pieces[i].local for i in alone] + owned, coefficients, steps, eps, dtype, method)
     results: list[Tensor] = [None] * len(pieces)
     for i, result in zip(alone, done):
         results[i] = result

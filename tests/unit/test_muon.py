@@ -289,9 +289,10 @@ def test_gram_takes_the_non_square_batches_and_a_third_fewer_flops(monkeypatch):
     assert iteration_flops(m, m, 5, "gram") == iteration_flops(m, m, 5)
 
 
-def test_a_gram_step_and_an_old_state_without_ns_method():
-    """optimizer.ns_method=gram steps as the standard one does, to fp32's rounding; a state dict written before
-    ns_method existed resumes with this run's; a bad value is one line."""
+def test_a_gram_step_and_a_resume_that_changes_the_iteration(monkeypatch):
+    """optimizer.ns_method=gram steps as the standard one does, to fp32's rounding. How the iteration computes is the
+    run's configuration, not optimizer state: a state dict of the standard iteration in bf16 (or of a checkpoint
+    written before ns_method existed) resumes as configured. A bad value is one line."""
     models = [module("tiny").model, module("tiny").model]
     optimizers = [
         MuonAdamW(
@@ -304,10 +305,18 @@ def test_a_gram_step_and_an_old_state_without_ns_method():
         optimizer.step()
     for a, b in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    old = optimizers[0].state_dict()
-    for group in old["param_groups"]:
-        group.pop("ns_method", None)
+    bf16 = MuonAdamW(mark_hidden_matrices([{"params": list(models[0].parameters())}], models[0]))
+    bf16.load_state_dict(optimizers[0].state_dict())
+    old = bf16.state_dict()
+    assert all("ns_method" not in g for g in old["param_groups"])
     optimizers[1].load_state_dict(old)
-    assert [g.get("ns_method") for g in optimizers[1].param_groups if g["muon"]] == ["gram"]
+    ran = []
+    iterate = newton_schulz.gram_newton_schulz
+    monkeypatch.setattr(
+        newton_schulz, "gram_newton_schulz", lambda x, *a: ran.append(a[-1]) or iterate(x, *a)
+    )
+    fill_grads(models[1], 1)
+    optimizers[1].step()
+    assert ran and set(ran) == {torch.float32}  # gram, in fp32, as configured
     with pytest.raises(ConfigError, match=r"^optimizer.ns_method=fast is not valid; use standard or gram$"):
         check_optimizer({**MUON, "ns_method": "fast"})

@@ -133,7 +133,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 adamw_fused=adamw_fused,
             )
         )
-        muon = [{"ns_dtype": ns_dtype, "ns_method": ns_method, **g} for g in groups if g[MUON]]
+        muon = [g for g in groups if g[MUON]]
         adamw = [g for g in groups if not g[MUON]]
         # torch's own optimizers check the keys and fill each group's defaults (in place: the same dicts); the
         # Muon step is this class's (batched, shared across ranks), the AdamW step torch's
@@ -161,6 +161,10 @@ class MuonAdamW(torch.optim.Optimizer):
         )
         super().__init__(muon + adamw, {})
         self._share_replicas, self._replicas = share_replicas, None
+        # How the iteration computes, not optimizer state: kept out of the parameter groups, so that a resumed run
+        # computes as configured under every strategy (torch's load_state_dict, and ZeRO's group sync, would
+        # otherwise bring back the checkpoint's).
+        self._ns_method, self._ns_dtype = ns_method, NS_DTYPES[ns_dtype]
         # What ZeroRedundancyOptimizer (ddp_sharded) builds one optimizer per rank with, over that rank's own
         # parameters: its matrices are not its peers', so it orthogonalizes them itself (ZeRO splits the work).
         self.defaults = dict(
@@ -204,9 +208,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ConfigError(f"optimizer.{key}={shown} is not valid; use {text}")
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, refusing in one line the state of another optimizer (a resume that switched to Muon). As in
-        torch, a group's keys are the checkpoint's (the LR is re-applied by CausalLM); one it lacks (`ns_method`,
-        in a checkpoint written before it existed) is this run's."""
+        """torch's, refusing in one line the state of another optimizer (a resume that switched to Muon)."""
         groups = state_dict["param_groups"]
         mine = [g[MUON] for g in self.param_groups]
         if [g.get(MUON) for g in groups] != mine:
@@ -214,10 +216,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 "the checkpoint's optimizer state is not optimizer=muon's with these parameter groups; resume it "
                 "with the optimizer it was trained with"
             )
-        configured = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, mine in zip(self.param_groups, configured):
-            group.update({key: value for key, value in mine.items() if key not in group})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -257,8 +256,8 @@ class MuonAdamW(torch.optim.Optimizer):
             group["ns_coefficients"],
             group["ns_steps"],
             group["eps"],
-            NS_DTYPES[group["ns_dtype"]],
-            group["ns_method"],
+            self._ns_dtype,
+            self._ns_method,
         )
         for param, result in zip(params, results):
             local = _local(param)

@@ -2,8 +2,8 @@
 Newton-Schulz iteration on its share of the matrices only, and every rank ends with the weights one process
 computes, under each layout a matrix can have: whole replicas (ddp), Shard(0) on one mesh dimension (fsdp, also
 with an empty shard), (Replicate, Shard(0)) (HSDP) and (Shard(0), Shard(0)) / (Shard(0), Shard(1)) on a 2 x 2
-mesh (FSDP x TP's shapes; FSDP2's own placements over TP train in test_recipe.py's fsdp_tp), the last also with
-`ns_method=gram` (its costs balance the shares). The counts are the
+mesh (FSDP x TP's shapes; FSDP2's own placements over TP train in test_recipe.py's fsdp_tp); ddp, HSDP and
+FSDP x TP also with `ns_method=gram` (its costs balance the shares). The counts are the
 matrices each rank's iteration received; whole matrices that are not replicas (ZeroRedundancyOptimizer's per-rank
 optimizers: `share_replicas=false`) are all orthogonalized by their rank. Every layout through parallama-train:
 tests/distributed/test_recipe.py."""
@@ -25,7 +25,10 @@ LAYOUTS = {  # name: (mesh shape, placements of the matrices, alternating; None:
     "hsdp": ((2, 2), [("replicate", "shard0")]),
     "fsdp_tp": ((2, 2), [("shard0", "shard0"), ("shard0", "shard1")]),
     "fsdp_bf16": ((WORLD,), [("shard0",)]),
-    "fsdp_tp_gram": ((2, 2), [("shard0", "shard0"), ("shard0", "shard1")]),  # ns_method=gram
+    # ns_method=gram on whole replicas, HSDP and FSDP x TP
+    "ddp_gram": ((WORLD,), None),
+    "hsdp_gram": ((2, 2), [("replicate", "shard0")]),
+    "fsdp_tp_gram": ((2, 2), [("shard0", "shard0"), ("shard0", "shard1")]),
 }
 
 

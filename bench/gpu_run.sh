@@ -8,14 +8,13 @@
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
 # What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows (about 10 arm runs a call):
-#   1: every goal of issue #37 that one call can hold, side by side on one card: the 1B's default, torchtitan
-#      0.2.2's best, float8, Muon (standard and ns_method=gram) against AdamW at 16 micro-batches (128k tokens) a
-#      step, the 180M's default.
-#   2: the loss alone (bench loss), the fused loss in training, the 8B shape in bf16 and float8, the 180M padded.
-#   3: the optimizer step alone (bench optim-step: AdamW, Muon, Muon by the Gram matrix), the old default
-#      (compile=false) and the 1B at batch 8.
-# The H200 lease (13:46 UTC) ran the calls then numbered 1 and 2 (now parts of 1, 2 and 3); the H100 lease (04:59)
-# ran most of 1 and 2 before the defaults' last changes.
+#   1: Muon: the optimizer step alone (bench optim-step: AdamW, Muon by the Gram matrix and standard, and how far each
+#      bf16 iteration lands from fp32), then Muon (its default, ns_method=gram, and standard) against AdamW at 16 micro-batches
+#      (128k tokens) a step, in training.
+#   2: the 1B's default against torchtitan 0.2.2's best, float8, the 1B at batch 8, the 180M's default.
+#   3: the loss alone (bench loss), the fused loss in training, the 8B shape in bf16 and float8, the 180M padded.
+# The H200 leases (13:46 UTC, then 19:40) ran the calls then numbered 1 and 2; the H100 lease (04:59) ran most of
+# them before the defaults' last changes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -28,27 +27,25 @@ python3 -c "import torch, lightning, hydra, torchao; print('torch', torch.__vers
 mkdir -p bench/results
 status=0
 case "$call" in
-  1)  # the goals side by side: the 1B's default against torchtitan's best, float8, Muon vs AdamW; the 180M
+  1)  # Muon: the optimizer step alone, then in training against AdamW at 128k tokens a step
+    timeout 120 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
+    left=$(( budget - ($(date +%s) - start) ))
+    python3 -m bench train-gpu --models llama3_2_1b --budget-s "$left" --cache-dir /tmp/cache \
+      --arms llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' \
+      'llama3_2_1b:muon standard accumulate=16' --out bench/results/train_gpu.json || status=$?
+    ;;
+  2)  # the goals side by side: the 1B's default against torchtitan's best, float8, batch 8; the 180M's default
     python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$budget" --cache-dir /tmp/cache \
       --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:float8=tensorwise \
-      llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' \
-      'llama3_2_1b:muon gram accumulate=16' llama_180m:default \
-      --out bench/results/train_gpu.json || status=$?
+      llama3_2_1b:data.batch_size=8 llama_180m:default --out bench/results/train_gpu_2.json || status=$?
     ;;
-  2)  # the loss alone and in training, the 8B shape (float8's claimed gains), the 180M's head padded
+  3)  # the loss alone and in training, the 8B shape (float8's claimed gains), the 180M's head padded
     timeout 60 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
     left=$(( budget - ($(date +%s) - start) ))
     python3 -m bench train-gpu --models llama3_2_1b llama3_8b_4l llama_180m --budget-s "$left" \
       --cache-dir /tmp/cache --arms llama3_2_1b:default llama3_2_1b:loss.impl=fused llama3_8b_4l:default \
       llama3_8b_4l:float8=tensorwise llama_180m:default llama_180m:pad_vocab_multiple=64 \
-      --out bench/results/train_gpu_2.json || status=$?
-    ;;
-  3)  # the optimizer step alone, what compile: auto buys, the 1B at batch 8
-    timeout 60 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
-    left=$(( budget - ($(date +%s) - start) ))
-    python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$left" --cache-dir /tmp/cache \
-      --arms llama3_2_1b:default llama3_2_1b:compile=false llama3_2_1b:data.batch_size=8 \
-      llama_180m:default llama_180m:compile=false --out bench/results/train_gpu_3.json || status=$?
+      --out bench/results/train_gpu_3.json || status=$?
     ;;
   *) echo "usage: bash bench/gpu_run.sh 1|2|3 [budget seconds]"; exit 2 ;;
 esac

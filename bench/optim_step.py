@@ -3,9 +3,9 @@ parallama-train keeps them, random gradients) on one CUDA GPU, for four optimize
 as parallama-train builds them on a GPU:
 
 - `adamw`: optimizer=adamw (`fused: null` resolves to torch's fused AdamW);
-- `muon`: optimizer=muon (training/muon.py: batched, compiled Newton-Schulz; `adamw_fused: null` resolves to a
-  fused AdamW side);
-- `muon_gram`: optimizer=muon optimizer.ns_method=gram (the iteration on the Gram matrix, newton_schulz.py);
+- `muon`: optimizer=muon (training/muon.py: batched, compiled Newton-Schulz, by default on the Gram matrix;
+  `adamw_fused: null` resolves to a fused AdamW side);
+- `muon_standard`: optimizer=muon optimizer.ns_method=standard (torch.optim.Muon's iteration on X itself);
 - `muon_one_by_one`: what optimizer=muon ran before: torch.optim.Muon's per-matrix loop on the blocks' matrices
   and torch's default (foreach) AdamW on the rest, which the old MuonAdamW equalled bit for bit.
 
@@ -16,6 +16,7 @@ test); without CUDA nothing else runs: a CPU timing is not the GPU's.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -24,8 +25,8 @@ from omegaconf import OmegaConf
 
 from bench.common import ROOT, machine, median, preset, print_machine, save, sync
 
-ARMS = ("adamw", "muon", "muon_gram", "muon_one_by_one")
-VARIANTS = {"muon_gram": ("muon", {"ns_method": "gram"})}  # arm: (conf file, keys over it)
+ARMS = ("adamw", "muon", "muon_standard", "muon_one_by_one")
+VARIANTS = {"muon_standard": ("muon", {"ns_method": "standard"})}  # arm: (conf file, keys over it)
 
 
 def add_arguments(p) -> None:
@@ -126,6 +127,31 @@ def time_arm(arm: str, model, device: torch.device, args) -> dict:
     }
 
 
+def accuracy(matrices, device: torch.device, steps: int) -> dict:
+    """How far each method's iteration, run as the optimizer runs it (`orthogonalize`: bf16, compiled on CUDA), lands
+    from the fp32 standard iteration, per distinct shape of `matrices` (random updates of that shape): the largest
+    absolute error, whose ratio gram / standard the CPU test bounds at 3 (test_muon)."""
+    from parallama.training.newton_schulz import newton_schulz, orthogonalize
+
+    defaults = inspect.signature(torch.optim.Muon).parameters  # MuonAdamW's groups take torch's
+    coefficients, eps = defaults["ns_coefficients"].default, defaults["eps"].default
+    generator = torch.Generator(device).manual_seed(0)
+    shapes = sorted({tuple(p.shape) for p in matrices})
+    errors = {}
+    for shape in shapes:
+        updates = [torch.randn(shape, device=device, generator=generator) for _ in range(2)]
+        wide = [u.mT if u.shape[0] > u.shape[1] else u for u in updates]
+        exact = newton_schulz(torch.stack(wide), coefficients, steps, eps, torch.float32)
+        exact = [e.mT if u.shape[0] > u.shape[1] else e for e, u in zip(exact, updates)]
+        row = {}
+        for method in ("standard", "gram"):
+            result = orthogonalize(updates, coefficients, steps, eps, torch.bfloat16, method=method)
+            row[method] = max((r.float() - e).abs().max().item() for r, e in zip(result, exact))
+        row["gram / standard"] = row["gram"] / row["standard"]
+        errors["x".join(map(str, shape))] = row
+    return errors
+
+
 def run(args) -> dict:
     from parallama.models.llama.config import LlamaConfig
     from parallama.models.llama.model import Llama
@@ -155,6 +181,12 @@ def run(args) -> dict:
         f"{len(matrices)} Muon matrices ({ns_flops / 1e12:.2f} TFLOP of Newton-Schulz per step, "
         f"{gram_flops / 1e12:.2f} by the Gram matrix), on {device}"
     )
+    errors = accuracy(matrices, device, ns_steps)
+    for shape, row in errors.items():
+        print(
+            f"# {shape}: largest error against fp32, bf16 standard {row['standard']:.4f}, gram {row['gram']:.4f} "
+            f"({row['gram / standard']:.2f}x)"
+        )
     results = {}
     for arm in ARMS:
         results[arm] = time_arm(arm, model, device, args)
@@ -167,7 +199,7 @@ def run(args) -> dict:
     ratios = {arm: results[arm]["step_ms"] / adamw for arm in ARMS}
     speedup = results["muon_one_by_one"]["step_ms"] / results["muon"]["step_ms"]
     print(
-        f"# muon / adamw: {ratios['muon']:.2f}x; muon_gram / adamw: {ratios['muon_gram']:.2f}x; "
+        f"# muon / adamw: {ratios['muon']:.2f}x; muon_standard / adamw: {ratios['muon_standard']:.2f}x; "
         f"muon_one_by_one / adamw: {ratios['muon_one_by_one']:.2f}x"
     )
     print(f"# muon is {speedup:.2f}x faster than the one-by-one loop")
@@ -180,6 +212,7 @@ def run(args) -> dict:
         "muon_matrices": len(matrices),
         "newton_schulz_tflop": ns_flops / 1e12,
         "gram_newton_schulz_tflop": gram_flops / 1e12,
+        "bf16_error_against_fp32": errors,
         "results": results,
         "ratios_to_adamw": ratios,
         "muon_speedup_over_one_by_one": speedup,

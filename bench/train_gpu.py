@@ -61,9 +61,9 @@ LEVERS = {  # arm -> overrides on top of the user's command
     "pad_vocab_multiple=64": ["model.pad_vocab_multiple=64"],
     "accumulate=16": ["trainer.accumulate_grad_batches=16"],
     "optimizer=muon accumulate=16": ["optimizer=muon", "trainer.accumulate_grad_batches=16"],
-    "muon gram accumulate=16": [
+    "muon standard accumulate=16": [
         "optimizer=muon",
-        "optimizer.ns_method=gram",
+        "optimizer.ns_method=standard",
         "trainer.accumulate_grad_batches=16",
     ],
 }
@@ -75,7 +75,7 @@ BARE = {"bare compile": True, "bare eager": False}
 PLAN = {  # per model, in the order round 1 runs them
     "llama3_2_1b": [
         "default", "titan best", "loss.impl=fused", "float8=tensorwise", "compile=false",
-        "titan compile", "optimizer=muon accumulate=16", "muon gram accumulate=16", "accumulate=16",
+        "titan compile", "optimizer=muon accumulate=16", "muon standard accumulate=16", "accumulate=16",
         "float8=rowwise", "ac=selective",
         "callbacks=none", "data.batch_size=8", "bare compile",
     ],
@@ -249,7 +249,7 @@ RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
     "ac=selective / default": ("ac=selective", "default"),
     "default callbacks' cost (1 - default / callbacks=none)": ("default", "callbacks=none"),
     "optimizer=muon / adamw, both accumulate=16": ("optimizer=muon accumulate=16", "accumulate=16"),
-    "muon gram / adamw, both accumulate=16": ("muon gram accumulate=16", "accumulate=16"),
+    "muon standard / adamw, both accumulate=16": ("muon standard accumulate=16", "accumulate=16"),
     "default / bare compile": ("default", "bare compile"),
     "data.batch_size=8 / default": ("data.batch_size=8", "default"),
     "pad_vocab_multiple=64 / default (vocabulary as it is)": ("pad_vocab_multiple=64", "default"),

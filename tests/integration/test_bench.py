@@ -169,8 +169,11 @@ def test_optim_step(capsys, tmp_path, cache):
     Llama on the CPU; on a GPU it times Llama-3.2-1B's (docs/benchmarks.md)."""
     text, result = run(capsys, tmp_path, cache, "optim-step", "--dry-run")
     assert result["dry_run"] and result["device"] == "cpu" and result["model"] == "tiny"
-    assert set(result["results"]) == {"adamw", "muon", "muon_gram", "muon_one_by_one"}
+    assert set(result["results"]) == {"adamw", "muon", "muon_standard", "muon_one_by_one"}
     assert all(r["step_ms"] > 0 for r in result["results"].values())
     assert result["muon_matrices"] == 4 * 7  # tiny: 4 blocks of 7 projections
     assert 0 < result["gram_newton_schulz_tflop"] < result["newton_schulz_tflop"]
+    errors = result["bf16_error_against_fp32"]  # each shape's bf16 iteration, by each method, against fp32's
+    assert set(errors) == {"64x128", "128x128", "128x384", "384x128"}
+    assert all(0 < e["standard"] < 0.05 and e["gram / standard"] <= 3 for e in errors.values())
     assert "# muon / adamw: " in text

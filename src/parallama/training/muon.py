@@ -10,8 +10,8 @@ keeping its own keys (the norms' weight_decay=0.0 stays with AdamW) and saying `
 The Muon update is torch's (`torch.optim.Muon`: momentum, Nesterov, the Newton-Schulz orthogonalization in bf16,
 `adjust_lr_fn`), step for step, with two changes of how, not what. The orthogonalization runs in batches of
 same-shape matrices, one compiled function on CUDA (newton_schulz.py), each matrix normalized on its own as in
-torch's (`ns_method: gram`: the same iteration on the Gram matrix, a third fewer FLOPs on Llama's MLP, k and v
-matrices). And each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every
+torch's; by default (`ns_method: gram`) the same iteration runs on the Gram matrix, a third fewer FLOPs on Llama's
+MLP, k and v matrices, equal to torch's in exact arithmetic (`ns_method: standard` is torch's, bit for bit). And each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every
 result (muon_share.py): a sharded parameter (a DTensor under fsdp or model_parallel, on any mesh) shares with the
 ranks of its mesh; whole ones under ddp with the ranks of torch.distributed's default group, whose gradients are
 equal after the all-reduce. Where ranks hold different whole matrices, each orthogonalizes its own: ddp_sharded's
@@ -85,7 +85,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
     "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32;
-    ns_method: "standard" (torch's iteration) or "gram" (the same on the Gram matrix: newton_schulz.py).
+    ns_method: "gram" (the iteration on the Gram matrix: newton_schulz.py) or "standard" (torch's, bit for bit).
     adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's; adamw_fused: torch's `fused` for
     AdamW (null: torch's default; parallama-train resolves it as optimizer.fused, training/optim.py
     `with_fused_default`). A group's own keys (the norms' weight_decay=0.0) win over these.
@@ -106,7 +106,7 @@ class MuonAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         adjust_lr: str | None = "match_rms_adamw",
         ns_dtype: str = "bfloat16",
-        ns_method: str = "standard",
+        ns_method: str = "gram",
         adamw_lr: float | None = None,
         adamw_betas=(0.9, 0.99),
         adamw_eps: float = 1e-8,

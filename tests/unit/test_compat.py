@@ -14,9 +14,10 @@ def test_every_internal_is_where_compat_expects_it():
     compat.check_internals(compat.DEEPSPEED_INTERNALS)
     internals = compat.INTERNALS + compat.DEEPSPEED_INTERNALS
     assert (
-        len(internals) <= 12
+        len(internals) <= 13
     )  # a new one is a decision: say why in compat.py (9th: Lightning's batch progress, 10th: grouped GEMM,
-    # 11th-12th: a MoE block's checkpoint recomputation and its experts outside per-op selective checkpointing)
+    # 11th-12th: a MoE block's checkpoint recomputation and its experts outside per-op selective checkpointing,
+    # 13th: DeepSpeed on CPU without building an op ZeRO never calls)
     assert all(i.why and i.waits_for and i.upstream and i.package in compat.TESTED for i in internals)
 
 

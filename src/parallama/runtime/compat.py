@@ -157,6 +157,16 @@ DEEPSPEED_INTERNALS = [
         "a public API for a running engine's optimizer state by parameter, step count included",
         f"{DEEPSPEED}/runtime/base_optimizer.py",
     ),
+    Internal(
+        "deepspeed.comm.torch",
+        ("build_shm_op",),
+        "on CPU DeepSpeed JIT-builds its shared-memory all-reduce (a minute of g++ per environment) for every "
+        "run, though only its inference all-reduce calls it; this function skips the build for an op that "
+        "deepspeed.ops.__compatible_ops__ calls incompatible, which `skip_deepspeed_shm_comm` sets",
+        "a DeepSpeed switch that starts its CPU communication without that op",
+        f"{DEEPSPEED}/comm/torch.py",
+        source_sha="1b769051",
+    ),
 ]
 
 
@@ -216,6 +226,21 @@ def setup_deepspeed_environment_on_cpu(strategy) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy  # torch-free module
 
     super(DeepSpeedStrategy, strategy).setup_environment()
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce op when its communication starts (~1 min of
+    g++ at a new environment's first run; comm/torch.py `build_shm_op`), yet only its inference all-reduce (AutoTP)
+    calls that op: ZeRO training never does. Marked incompatible, the op is not built and the backend keeps gloo."""
+    import deepspeed.ops  # torch-free module
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if SHM_COMM_OP not in compatible:
+        raise deepspeed_changed(f"deepspeed.ops.__compatible_ops__[{SHM_COMM_OP!r}]")
+    compatible[SHM_COMM_OP] = False
 
 
 def keep_configured_gradient_clipping(engine) -> None:

@@ -99,7 +99,8 @@ class DeepSpeed(Parallelism, AtomicFolderCheckpoints, DeepSpeedStrategy):
         # while DeepSpeed may still build or wait, so a run never waits for it for ever.
         threading.Thread(target=watch_build_locks, daemon=True, name="parallama-build-locks").start()
         if self.root_device.type == "cpu":
-            _say_if_ops_will_build(self.local_rank)
+            compat.skip_deepspeed_shm_comm()
+            _say_if_ops_will_build(self.local_rank, self.offload_optimizer)
             self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
             compat.setup_deepspeed_environment_on_cpu(self)  # skip only DeepSpeedStrategy's CUDA check
         else:
@@ -196,11 +197,11 @@ def extensions_root() -> Path:
     return Path.home() / ".cache" / "torch_extensions"
 
 
-def _say_if_ops_will_build(local_rank: int) -> None:
-    """On CPU DeepSpeed compiles its shared-memory communication op at the first run: minutes of silence."""
+def _say_if_ops_will_build(local_rank: int, offload_optimizer: bool) -> None:
+    """On CPU the optimizer offload's CPU Adam is compiled at its first run: a minute of silence."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_root()))
-    if local_rank == 0 and not any(root.glob("deepspeed_shm_comm/*.so")):
-        log.info(f"building DeepSpeed's C++ ops (once per environment, ~1 min) in {root}")
+    if offload_optimizer and local_rank == 0 and not any(root.glob("cpu_adam/*.so")):
+        log.info(f"building DeepSpeed's CPU Adam (once per environment, ~1 min) in {root}")
 
 
 def offload_refusal(optimizer_class: type) -> str | None:

@@ -3,8 +3,8 @@ for op, on a stack of same-shape matrices. Each matrix is normalized by its own 
 not depend on the others in its batch; a tall matrix is taken as its transpose, as torch's does, so Llama's
 gate/up projections (8192 x 2048) share a batch with its down projections (2048 x 8192).
 
-`optimizer.ns_method=gram` runs the same polynomial iteration on the Gram matrix X X^T instead of X (Gram
-Newton-Schulz, Dao AI Lab 2026; DeepSpeed 0.19.8's Muon default): on a rows x cols matrix with cols = 4 rows
+`optimizer.ns_method: gram` (the default) runs the same polynomial iteration on the Gram matrix X X^T instead of X
+(Gram Newton-Schulz, Dao AI Lab 2026; DeepSpeed 0.19.8's Muon default): on a rows x cols matrix with cols = 4 rows
 (Llama's MLP, k and v projections) it costs 60 rows^3 FLOPs to the standard's 90 (`iteration_flops`); equal in
 exact arithmetic, and restarted from X once (at `RESTART_AT`) as its authors do to keep half precision stable.
 A matrix less than 1.5 times as wide as it is tall (a square one) takes the standard iteration either way.

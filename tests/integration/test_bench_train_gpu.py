@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.__main__ import main
+from bench.clock import summary
 from bench.train_gpu import LEVERS, MODELS, command
 from parallama.app.compose import compose_tool
 
@@ -51,6 +52,43 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
     assert profile["top_ops"] and "profile" not in second
     assert "CUDA" in rows["titan compile"]["error"]
     assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
+
+
+def test_the_profile_counts_each_kernel_once_and_each_range_by_its_kernels():
+    """On a GPU, torch's profiler gives a `record_function` range twice: the CPU event (its device time: the kernels
+    launched inside) and an annotation on the GPU's timeline spanning them. The first H200 profiles counted the
+    annotations too: Lightning's `Optimizer.step`, which wraps forward and backward, became 128 ms of "other"
+    kernels in a 129 ms step, and clipping read 8.5 ms for 4.1 ms of kernels. A step of that shape, made of torch's
+    own profiler events (no GPU here to record one)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def event(i, name, start_ms, end_ms, gpu=False, annotation=False):
+        device, thread = (DeviceType.CUDA, 7) if gpu else (DeviceType.CPU, 1)
+        return FunctionEvent(i, name, thread, start_ms * 1000, end_ms * 1000, use_device="cuda", stack=[],
+                             device_type=device, is_user_annotation=annotation)  # fmt: skip
+
+    step, clip, mm = (
+        event(0, "Optimizer.step#AdamW.step", 0, 130, annotation=True),
+        event(1, "parallama.clip_gradients", 100, 106, annotation=True),
+        event(2, "aten::mm", 10, 11),
+    )
+    clip.append_kernel("vectorized_elementwise_kernel", 0, 4000)
+    mm.append_kernel("nvjet_sm90_tst", 0, 77000)
+    on_gpu = [
+        event(3, "Optimizer.step#AdamW.step", 0, 128, gpu=True, annotation=True),
+        event(4, "parallama.clip_gradients", 100, 104.4, gpu=True, annotation=True),
+        event(5, "nvjet_sm90_tst", 10, 87, gpu=True),
+        event(6, "vectorized_elementwise_kernel", 100, 104, gpu=True),
+    ]
+    events = EventList([step, clip, mm, *on_gpu], use_device="cuda")
+    events._build_tree()
+    result = summary(SimpleNamespace(key_averages=events.key_averages), steps=1)
+    assert result["ms_per_step_by_kind"] == {"attention": 0.0, "matmul": 77.0, "other": 4.0}
+    assert result["ms_per_step_in_ranges"] == {"parallama.clip_gradients": 4.0, "Optimizer.step": 81.0}
+    assert result["top_ops"][0] == {"name": "aten::mm", "calls": 1, "self_ms": 77.0}
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -11,8 +11,9 @@ The Muon update is torch's (`torch.optim.Muon`: momentum, Nesterov, the Newton-S
 `adjust_lr_fn`), step for step, with two changes of how, not what. The orthogonalization runs in batches of
 same-shape matrices, one compiled function on CUDA (newton_schulz.py), each matrix normalized on its own as in
 torch's; by default (`ns_method: gram`) the same iteration runs on the Gram matrix, a third fewer FLOPs on Llama's
-MLP, k and v matrices, equal to torch's in exact arithmetic (`ns_method: standard` is torch's, bit for bit). And each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every
-result (muon_share.py): a sharded parameter (a DTensor under fsdp or model_parallel, on any mesh) shares with the
+MLP, k and v matrices, equal to torch's in exact arithmetic (`ns_method: standard` is torch's, bit for bit). And
+each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every result
+(muon_share.py): a sharded parameter (a DTensor under fsdp or model_parallel, on any mesh) shares with the
 ranks of its mesh; whole ones under ddp with the ranks of torch.distributed's default group, whose gradients are
 equal after the all-reduce. Where ranks hold different whole matrices, each orthogonalizes its own: ddp_sharded's
 ZeroRedundancyOptimizer builds one MuonAdamW per rank over that rank's parameters (ZeRO splits the work), and

@@ -8,9 +8,9 @@
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
 # What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows (about 10 arm runs a call):
-#   1: Muon: the optimizer step alone (bench optim-step: AdamW, Muon by the Gram matrix and standard, and how far each
-#      bf16 iteration lands from fp32), then Muon (its default, ns_method=gram, and standard) against AdamW at 16 micro-batches
-#      (128k tokens) a step, in training.
+#   1: Muon: the optimizer step alone (bench optim-step: AdamW, Muon by the Gram matrix and standard, and how far
+#      each bf16 iteration lands from fp32), then Muon (its default, ns_method=gram, and standard) against AdamW at
+#      16 micro-batches (128k tokens) a step, in training.
 #   2: the 1B's default against torchtitan 0.2.2's best, float8, the 1B at batch 8, the 180M's default.
 #   3: the loss alone (bench loss), the fused loss in training, the 8B shape in bf16 and float8, the 180M padded.
 # The H200 lease of 19:40 UTC ran calls 1 and 2 as they are here; the H200 lease of 13:46 and the H100 lease of

@@ -186,7 +186,7 @@ def test_a_batch_gives_each_matrix_its_one_by_one_result(dtype, monkeypatch):
     monkeypatch.setattr(
         newton_schulz, "newton_schulz", lambda x, *a: batches.append(x.shape) or iterate(x, *a)
     )
-    results = orthogonalize(updates, COEFFICIENTS, STEPS, EPS, dtype)
+    results = orthogonalize(updates, COEFFICIENTS, STEPS, EPS, dtype, "standard")
     assert sorted(batches) == [(1, 8, 8), (2, 4, 16), (2, 16, 16), (3, 16, 64)]
     torchs = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)
     for update, result in zip(updates, results):

@@ -56,7 +56,7 @@ def shares(counts: list[int], costs: list[int], world: int) -> list[list[int]]:
 
 
 def orthogonalized(
-    pieces: list[Piece], coefficients, steps: int, eps: float, dtype, method: str = "standard"
+    pieces: list[Piece], coefficients, steps: int, eps: float, dtype, method: str
 ) -> list[Tensor]:
     """Each piece's update orthogonalized by `method` (newton_schulz.py), as this rank's piece of the result
     (`result_placements`), on the piece's device. Every rank of a mesh must call this with the same matrices in the

@@ -71,7 +71,7 @@ def iteration(method: str):
 
 
 @functools.cache
-def compiled_newton_schulz(method: str = "standard"):
+def compiled_newton_schulz(method: str):
     """The `method`'s iteration through torch.compile, built on first use (importing the compiler costs a CLI
     start). Its sizes are dynamic: one graph serves every shape and every rank's share (a batch of one matrix gets a
     second)."""
@@ -79,7 +79,7 @@ def compiled_newton_schulz(method: str = "standard"):
 
 
 def orthogonalize(
-    updates: list[Tensor], coefficients, steps: int, eps: float, dtype, method: str = "standard"
+    updates: list[Tensor], coefficients, steps: int, eps: float, dtype, method: str
 ) -> list[Tensor]:
     """Each 2-D update orthogonalized, in `dtype`; those of one shape (tall ones transposed) and device in one batch,
     by `method` where it saves FLOPs (`uses_gram`), else by the standard iteration. The results are views of their

@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
         "--head-chunk-sizes",
         type=int,
         nargs="+",
-        help="fused arms' loss.chunk_size (default: CUDA 1024 2048 4096, CPU --chunk-size)",
+        help="fused arms' loss.chunk_size (default: CUDA 2048 4096 8192, CPU --chunk-size)",
     )
     p.add_argument(
         "--plain-compiled",
@@ -63,7 +63,7 @@ def settings(args) -> dict:
         "weight_dtype": "fp32",
         "warmup": args.head_warmup,
         "repeats": args.head_repeats,
-        "chunk_sizes": args.head_chunk_sizes or ([1024, 2048, 4096] if cuda else [args.chunk_size]),
+        "chunk_sizes": args.head_chunk_sizes or ([2048, 4096, 8192] if cuda else [args.chunk_size]),
         "plain_compiled": cuda if args.plain_compiled is None else args.plain_compiled,
     }
 

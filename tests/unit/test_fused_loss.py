@@ -7,9 +7,11 @@ tests/distributed/test_fused_loss_parity.py."""
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
+from torch._inductor.graph import GraphLowering
 
 from parallama import CONF_DIR
 from parallama.app.compose import preflight
@@ -188,22 +190,35 @@ def test_the_weight_gradient_comes_back_in_the_parameters_dtype():
 
 def test_the_compiled_chunk_step_equals_the_eager_one():
     """On CUDA each chunk's elementwise pass is compiled (`compiled_chunk_loss_and_grad_`): compiled here on CPU,
-    once for the chunk length and once more, with the length dynamic, for a shorter last chunk, it gives the eager loss and gradient of bf16 logits (autocast's), with label
-    smoothing, z-loss, masked columns and ignored labels."""
+    once for the chunk length and once more, with the length dynamic, for a shorter last chunk, it gives the eager
+    loss and gradient of bf16 logits (autocast's), with label smoothing, z-loss, masked columns and ignored labels,
+    and it allocates nothing the size of the chunk: the gradient is written into the logits, with no fp32 copy of
+    them on the way (the scattered target's term and the kept exponentials had made inductor hold two)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # this process may have compiled other graphs before
     torch.manual_seed(0)
+    codes = []  # the compiled graphs' code
     for tokens in (40, 13, 7):  # a chunk, then a batch's last, shorter ones
         labels = torch.randint(0, 250, (tokens,))
         labels[:3] = IGNORE_INDEX
         logits = (3 * torch.randn(tokens, VOCAB)).bfloat16()
         eager_grad, compiled_grad = logits.clone(), logits.clone()
         eager = fused_cross_entropy.chunk_loss_and_grad_(eager_grad, labels, 0.1, 1e-2, 250)
-        compiled = fused_cross_entropy.compiled_chunk_loss_and_grad_(compiled_grad, labels, 0.1, 1e-2, 250)
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append):  # inductor's own hook
+            compiled = fused_cross_entropy.compiled_chunk_loss_and_grad_(
+                compiled_grad, labels, 0.1, 1e-2, 250
+            )
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
         assert eager_grad[:, 250:].abs().max() == 0 and eager_grad[:3].abs().max() == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # not one per length
+    assert len(codes) == 2
+    assert [
+        line
+        for code in codes
+        for line in code.splitlines()
+        if "empty_strided" in line and f", {VOCAB})" in line
+    ] == []
 
 
 def tiny_module(loss: dict) -> CausalLM:

@@ -55,7 +55,13 @@ def chunk_loss_and_grad_(
 ) -> Tensor:
     """The summed loss of `logits` (tokens, this rank's columns `start`...) against `labels`; `logits` becomes its
     gradient, in place. Columns at or past `vocab` get no probability and no gradient. Computed in fp32 whatever
-    the logits' dtype; with `group`, the per-token statistics are reduced over its ranks' columns."""
+    the logits' dtype; with `group`, the per-token statistics are reduced over its ranks' columns.
+
+    Eager, it works in place on one fp32 copy of the chunk. Compiled, it reads the chunk three times and writes
+    it once, in its own dtype: the exponentials are taken again for the gradient rather than kept, and the
+    target's term is added through a comparison with the column index rather than scattered (either would make
+    inductor hold the whole chunk in fp32, twice over: test_the_compiled_chunk_step_equals_the_eager_one)."""
+    compiled = torch.compiler.is_compiling()
     x = logits.float()  # the logits themselves when fp32: worked on in place
     valid = min(max(vocab - start, 0), x.shape[1])  # this rank's columns that take probability
     if valid < x.shape[1]:
@@ -69,8 +75,8 @@ def chunk_loss_and_grad_(
     column = torch.where(mine, column, 0)
     target = torch.where(mine, x.gather(1, column[:, None]).squeeze(1), 0)
     logit_sum = x[:, :valid].sum(1) if label_smoothing else torch.zeros_like(peak)
-    x.sub_(peak[:, None]).exp_()
-    sums = torch.stack([x.sum(1), target, logit_sum])
+    exps = (x - peak[:, None]).exp_() if compiled else x.sub_(peak[:, None]).exp_()
+    sums = torch.stack([exps.sum(1), target, logit_sum])
     if group is not None:
         dist.all_reduce(sums, group=group)
     exp_sum, target, logit_sum = sums
@@ -81,10 +87,16 @@ def chunk_loss_and_grad_(
     if z_loss:
         loss = loss + z_loss * lse.square()
     # d loss / d logit_c = p_c (1 + 2 z lse) - (1 - smoothing) [c = target] - smoothing / vocab; 0 unlabelled
+    if compiled:
+        x.sub_(peak[:, None]).exp_()
     x.mul_((torch.where(labelled, (1 + 2 * z_loss * lse) / exp_sum, 0))[:, None])
     if label_smoothing:
         x[:, :valid].sub_(torch.where(labelled, label_smoothing / vocab, 0)[:, None])
-    x.scatter_add_(1, column[:, None], torch.where(mine, label_smoothing - 1, 0.0)[:, None])
+    at_target = torch.where(mine, label_smoothing - 1, 0.0)[:, None]
+    if compiled:
+        x.add_(torch.where(torch.arange(x.shape[1], device=x.device) == column[:, None], at_target, 0))
+    else:  # eager: no (tokens, vocab) mask
+        x.scatter_add_(1, column[:, None], at_target)
     if logits.dtype != torch.float32:
         logits.copy_(x)
     return torch.where(labelled, loss, 0).sum()
@@ -112,23 +124,29 @@ def _chunk_step(logits: Tensor, labels: Tensor, how: Chunking) -> Tensor:
 
 @functools.cache
 def gemm_adds_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch's GEMM on `device` adds a product of `dtype` matrices into an fp32 one in place
-    (`addmm`'s `out_dtype`: CUDA only, and what it accepts for the added matrix changed across releases)."""
-    total, ones = torch.zeros(2, 2, device=device), torch.ones(2, 2, device=device, dtype=dtype)
+    """Whether this torch's GEMM on `device` adds a product of `dtype` matrices into an fp32 one in place, and with
+    beta=0 overwrites it unread (`addmm`'s `out_dtype`: CUDA only, and what it accepts for the added matrix
+    changed across releases)."""
+    total, ones = torch.full((2, 2), math.nan, device=device), torch.ones(2, 2, device=device, dtype=dtype)
     try:
+        torch.addmm(total, ones, ones, beta=0, out_dtype=torch.float32, out=total)
+        overwrites = bool((total == 2).all())
         torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
     except (RuntimeError, TypeError):
         return False
-    return bool((total == 2).all())
+    return overwrites and bool((total == 4).all())
 
 
-def _accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
-    """total += a @ b, with `total` fp32 and a, b perhaps bf16: where it can, the bf16 GEMM accumulates into it
-    directly; else through a product in their dtype."""
+def _accumulate_(total: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """total += a @ b (first: total = a @ b, whatever `total` held), with `total` fp32 and a, b perhaps bf16: where
+    it can, the bf16 GEMM accumulates into it directly; else through a product in their dtype."""
+    beta = 0 if first else 1  # 0: the GEMM does not read `total`
     if total.dtype == a.dtype:
-        total.addmm_(a, b)
+        total.addmm_(a, b, beta=beta)
     elif a.is_cuda and gemm_adds_into_fp32(a.device, a.dtype):
-        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+        torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
+    elif first:
+        total.copy_(a @ b)
     else:
         total.add_(a @ b)
 
@@ -143,7 +161,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
             head = weight.to(how.dtype)
             grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+            grad_weight = None
+            if ctx.needs_input_grad[1]:  # written whole by the first chunk
+                empty = torch.zeros_like if hidden.shape[0] == 0 else torch.empty_like
+                grad_weight = empty(weight, dtype=torch.float32)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], how.chunk_size):
                 rows = slice(start, start + how.chunk_size)
@@ -153,7 +174,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[rows] = logits @ head
                 if grad_weight is not None:
-                    _accumulate_(grad_weight, logits.T, chunk)
+                    _accumulate_(grad_weight, logits.T, chunk, first=start == 0)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss

@@ -45,7 +45,7 @@ class CrossEntropy:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     impl: str = "plain"
-    chunk_size: int = 1024
+    chunk_size: int = 4096
 
     def __post_init__(self) -> None:
         if not (isinstance(self.label_smoothing, (int, float)) and 0 <= self.label_smoothing < 1):

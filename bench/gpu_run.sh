@@ -10,7 +10,8 @@
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows (about 10 arm runs a call):
 #   1: the issue's goals side by side: the loss alone (bench loss: the fused loss's one-pass elementwise step and
 #      chunks of 4096 are new since any GPU ran it), then the 1B's default against torchtitan 0.2.2's best,
-#      float8, the fused loss in training, and the 180M's default.
+#      float8, the fused loss in training, a candidate lever (bench/levers.py: the residual stream in bf16), and
+#      the 180M's default.
 #   2: Muon: the optimizer step alone (bench optim-step: AdamW, Muon by the Gram matrix and standard, and how far
 #      each bf16 iteration lands from fp32), then Muon's default (ns_method=gram) against AdamW at 16
 #      micro-batches (128k tokens) a step; the 8B shape in bf16 and float8.
@@ -30,12 +31,13 @@ mkdir -p bench/results
 status=0
 case "$call" in
   1)  # the goals side by side: the loss alone, then the 1B's default against torchtitan's best, float8, the fused
-      # loss; the 180M's default
+      # loss, the residual stream in bf16; the 180M's default
     timeout 60 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
     left=$(( budget - ($(date +%s) - start) ))
     python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$left" --cache-dir /tmp/cache \
       --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:float8=tensorwise \
-      llama3_2_1b:loss.impl=fused llama_180m:default --out bench/results/train_gpu.json || status=$?
+      llama3_2_1b:loss.impl=fused llama3_2_1b:residual=bf16 llama_180m:default \
+      --out bench/results/train_gpu.json || status=$?
     ;;
   2)  # Muon: the optimizer step alone, then in training against AdamW at 128k tokens a step; the 8B shape
     timeout 120 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?

@@ -66,6 +66,7 @@ LEVERS = {  # arm -> overrides on top of the user's command
         "optimizer.ns_method=standard",
         "trainer.accumulate_grad_batches=16",
     ],
+    "residual=bf16": ["+callbacks.bench_residual._target_=bench.levers.ResidualInComputeDtype"],
 }
 TITAN = {  # torchtitan arms (bench/titan.py); "best": what the issue names its best settings
     "titan best": {"compile": True, "ac": "selective", "float8": "tensorwise"},
@@ -77,7 +78,7 @@ PLAN = {  # per model, in the order round 1 runs them
         "default", "titan best", "loss.impl=fused", "float8=tensorwise", "compile=false",
         "titan compile", "optimizer=muon accumulate=16", "muon standard accumulate=16", "accumulate=16",
         "float8=rowwise", "ac=selective",
-        "callbacks=none", "data.batch_size=8", "bare compile",
+        "callbacks=none", "data.batch_size=8", "residual=bf16", "bare compile",
     ],
     "llama_180m": ["default", "compile=false", "pad_vocab_multiple=64", "loss.impl=fused", "float8=tensorwise"],
     "llama3_8b_4l": ["default", "float8=tensorwise"],
@@ -253,6 +254,7 @@ RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
     "default / bare compile": ("default", "bare compile"),
     "data.batch_size=8 / default": ("data.batch_size=8", "default"),
     "pad_vocab_multiple=64 / default (vocabulary as it is)": ("pad_vocab_multiple=64", "default"),
+    "residual=bf16 / default (bench/levers.py)": ("residual=bf16", "default"),
 }
 
 

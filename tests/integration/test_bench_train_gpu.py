@@ -128,3 +128,26 @@ def test_by_default_every_arm_runs_in_two_interleaved_rounds_of_three_windows():
     add_arguments(parser)
     args = parser.parse_args([])
     assert args.windows >= 3 and args.rounds >= 2 and args.profile == 1
+
+
+def test_the_residual_lever_puts_the_stream_between_blocks_in_the_compute_dtype():
+    """bench/levers.py's candidate (`residual=bf16`): under autocast the blocks take bf16 hidden states, not the
+    embedding's fp32; without autocast (CPU's 32-true) nothing changes."""
+    from bench.levers import ResidualInComputeDtype
+    from parallama.training.module import CausalLM
+
+    model = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    optimizer = dict(_target_="torch.optim.AdamW", lr=1e-3)
+    scheduler = dict(_target_="parallama.training.schedules.Constant")
+    module = CausalLM(model=model, optimizer=optimizer, scheduler=scheduler)
+    module.configure_model()
+    seen = []
+    module.model.layers["1"].register_forward_pre_hook(lambda layer, args: seen.append(args[0].dtype))
+    ResidualInComputeDtype().on_fit_start(None, module)
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", torch.bfloat16):
+        module.model(tokens)
+    module.model(tokens)
+    assert seen == [torch.bfloat16, torch.float32]

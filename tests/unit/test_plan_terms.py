@@ -10,6 +10,7 @@ from parallama.distributed.options import ACOptions
 from parallama.models.llama.config import LlamaConfig
 from parallama.parallel.layouts import Layout, estimate_layout
 from parallama.parallel.memory import (
+    FUSED_LOSS_CHUNK,
     GIB,
     HEADROOM,
     activation_bytes,
@@ -19,6 +20,7 @@ from parallama.parallel.memory import (
     optimizer_state_bytes,
 )
 from parallama.parallel.plan import estimate
+from parallama.training.loss import CrossEntropy
 
 LLAMA_1B = LlamaConfig(  # Llama-3.2-1B's shape (conf/model/llama3_2_1b.yaml)
     vocab_size=128256,
@@ -52,21 +54,34 @@ def test_muon_keeps_one_buffer_for_the_blocks_matrices():
     assert off.optim - on.optim == pytest.approx(4 * matrices / 8, abs=1)  # a rank's half of each matrix, /4
 
 
-def test_the_fused_loss_keeps_no_logits_but_its_gradients():
+def test_the_fused_loss_keeps_no_logits_but_its_gradients_and_one_chunk():
     """It computes its gradients in the forward: the hidden states' (fp32, per token) and the head weight's (fp32,
-    once: 1 GB at Llama-3.2-1B's vocabulary), held until backward."""
+    once: 1 GB at Llama-3.2-1B's vocabulary), held until backward; and at the loss it holds one chunk's logits
+    (compute dtype) and, eager, their fp32 copy: `loss.chunk_size` tokens, the whole batch when that is fewer."""
     c, tokens = LLAMA_1B, 4 * 2048
     plain = activation_bytes(c, tokens, 2, 4, False)
     fused = activation_bytes(c, tokens, 2, 4, False, loss_impl="fused")
     assert tokens * loss_bytes(c, 2) == tokens * c.vocab_size * (2 + 4 + 4)  # 9.8 GiB here
-    head_grad = loss_fixed_bytes(c, loss_impl="fused")
-    assert head_grad == c.vocab_size * c.hidden_size * 4 and loss_fixed_bytes(c) == 0
-    assert plain - fused == tokens * (loss_bytes(c, 2) - c.hidden_size * 4) - head_grad
+    head_grad = c.vocab_size * c.hidden_size * 4
+    chunk = FUSED_LOSS_CHUNK * c.vocab_size * (2 + 4)  # 2.9 GiB at the default 4096 tokens
+    assert loss_fixed_bytes(c, loss_impl="fused") == head_grad and loss_fixed_bytes(c) == 0
+    assert loss_fixed_bytes(c, loss_impl="fused", e=2, chunk=FUSED_LOSS_CHUNK) == head_grad + chunk
+    assert plain - fused == tokens * (loss_bytes(c, 2) - c.hidden_size * 4) - head_grad - chunk
+    few = activation_bytes(c, 100, 2, 4, False, loss_impl="fused") - activation_bytes(
+        c, 100, 2, 4, False, head=False
+    )
+    assert (
+        few
+        == 100 * (2 * c.hidden_size + 4 * c.hidden_size + 4 * c.hidden_size + c.vocab_size * 6) + head_grad
+    )
     assert loss_bytes(c, 2, tp=2) == loss_bytes(c, 2) // 2 and loss_bytes(c, 2, loss_impl="fused") == 4 * 2048
     assert loss_fixed_bytes(c, tp=2, loss_impl="fused") == head_grad // 2  # its vocab-parallel rows
     assert activation_bytes(c, tokens, 2, 4, False, head=False, loss_impl="fused") == activation_bytes(
         c, tokens, 2, 4, False, head=False
     )  # a pipeline stage without the head: no loss
+    assert (
+        FUSED_LOSS_CHUNK == CrossEntropy().chunk_size == compose([]).loss.chunk_size
+    )  # the planner's is the loss's
 
 
 def test_the_cli_reads_the_optimizer_and_the_loss_impl():

@@ -22,7 +22,7 @@ from parallama.errors import ConfigError
 from parallama.models import model_spec
 from parallama.parallel.layout_checks import check_layout
 from parallama.parallel.layouts import Layout, estimate_layout, search
-from parallama.parallel.memory import FP32, GIB, HEADROOM, MIXED, OVERHEAD_GIB, optimizer_of
+from parallama.parallel.memory import FP32, FUSED_LOSS_CHUNK, GIB, HEADROOM, MIXED, OVERHEAD_GIB, optimizer_of
 from parallama.parallel.plan import MemoryProfile, estimate, prefer_expert_parallel, profiles, recommend
 from parallama.rules import Rule, check_keys, key
 
@@ -77,6 +77,9 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         else 1.0,
         optimizer=optimizer_of(cfg.optimizer.get("_target_", "")),  # muon: one buffer (optimizer_state_bytes)
         loss_impl=OmegaConf.select(cfg, "loss.impl", default="plain"),  # what the loss keeps (loss_bytes)
+        loss_chunk=OmegaConf.select(
+            cfg, "loss.chunk_size", default=FUSED_LOSS_CHUNK
+        ),  # the fused loss's chunk in flight
     )
     if terms["optimizer"] == "muon":
         notes.append("optimizer=muon: one momentum buffer for the blocks' matrices, AdamW's two for the rest")

@@ -28,6 +28,7 @@ from parallama.distributed.dims import ParallelDims
 from parallama.distributed.options import ZERO_BUBBLE
 from parallama.parallel.memory import (
     FP32,
+    FUSED_LOSS_CHUNK,
     Estimate,
     activation_bytes,
     moe_activation_bytes,
@@ -130,9 +131,10 @@ def estimate_layout(
     float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
+    loss_chunk: int = FUSED_LOSS_CHUNK,
 ) -> Estimate:
     """Per-GPU peak of one layout (`micro_batch`: the samples of one data-parallel replica's step); `optimizer`
-    and `loss_impl` as in `plan.estimate`."""
+    `loss_impl` and `loss_chunk` as in `plan.estimate`."""
     dims = layout.dims
     per = state_bytes(precision, "fsdp")
     psi = stage_params(c, dims)
@@ -155,7 +157,9 @@ def estimate_layout(
         gathered -= int(gathered_layers * matmuls * float8_share) * ((per[3] or per[0]) - 1)
     e = 4 if precision in FP32 else 2
     tokens = micro_batch * seq_len // (layout.microbatches * dims.cp)
-    kwargs = dict(tp=dims.tp, sequence_parallel=layout.sequence_parallel, loss_impl=loss_impl)
+    kwargs = dict(
+        tp=dims.tp, sequence_parallel=layout.sequence_parallel, loss_impl=loss_impl, loss_chunk=loss_chunk
+    )
     stage = with_layers(c, layers)
     blocks = activation_bytes(stage, tokens, e, e, activation_checkpointing, head=False, **kwargs)
     head = activation_bytes(stage, tokens, e, e, activation_checkpointing, **kwargs) - blocks
@@ -246,12 +250,13 @@ def search(
     float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
+    loss_chunk: int = FUSED_LOSS_CHUNK,
 ) -> tuple[Layout, bool, dict[bool, Estimate]] | tuple[None, None, dict]:
     """The first layout (and activation checkpointing, off before on) that fits, with its estimates for each
     `checkpointing`; else (None, None, {}) and nothing fits."""
     shape = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, float8=float8)
     shape.update(float8_share=float8_share)
-    shape.update(optimizer=optimizer, loss_impl=loss_impl)
+    shape.update(optimizer=optimizer, loss_impl=loss_impl, loss_chunk=loss_chunk)
     for layout in candidates(
         c, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len, micro_batch=micro_batch
     ):

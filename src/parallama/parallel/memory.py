@@ -18,6 +18,9 @@ from parallama.errors import ConfigError
 GIB = 2**30
 OVERHEAD_GIB = 1.5
 HEADROOM = 0.9  # a plan fits when its total is at most 90% of the GPU's memory
+FUSED_LOSS_CHUNK = (
+    4096  # loss.chunk_size's default (training/loss.py CrossEntropy): the fused loss's chunk in flight
+)
 MIXED, FP32 = ("bf16-mixed", "16-mixed"), ("32-true", "32")
 
 
@@ -62,6 +65,7 @@ def activation_bytes(
     sequence_parallel: bool = False,
     head: bool = True,
     loss_impl: str = "plain",
+    loss_chunk: int = FUSED_LOSS_CHUNK,
 ) -> int:
     """Saved activations of one micro-batch of `tokens` tokens; e / e_res: bytes of a compute / residual element.
 
@@ -79,7 +83,7 @@ def activation_bytes(
     product: 1 residual + 2i / tp less than none), plus one block recomputing those (2 h e + 2 i e / tp).
     Selective every_n: `L // n` blocks as full (their input), the others as none, plus one block recomputing.
     The loss adds what `loss_bytes` and `loss_fixed_bytes` say (`loss_impl`: the plain loss's logits, the fused
-    one's gradients).
+    one's gradients and its chunk of `loss_chunk` tokens in flight).
 
     Tensor parallel (`tp`, parallel/layouts.py) divides what lies between a column- and a row-parallel matmul
     (rotated q, k, v, attention output, the MLP's 4i) and the vocab-parallel logits; sequence parallel also
@@ -101,7 +105,8 @@ def activation_bytes(
     else:  # every_n
         full = n // ac.every_n
         layers = full * residual + (n - full) * block + (block if full else 0)
-    loss = tokens * loss_bytes(c, e, tp, loss_impl) + loss_fixed_bytes(c, tp, loss_impl)
+    chunk = min(tokens, loss_chunk)
+    loss = tokens * loss_bytes(c, e, tp, loss_impl) + loss_fixed_bytes(c, tp, loss_impl, e, chunk)
     return tokens * (layers + (residual + h * e if head else 0)) + (loss if head else 0)
 
 
@@ -113,17 +118,19 @@ def loss_bytes(c, e: int, tp: int = 1, loss_impl: str = "plain") -> int:
     (one H100: 3.0 GB at 8192 tokens x 128256, against 12.6 GB eager: docs/benchmarks.md, `loss`), so the plan
     errs on the safe side there. Fused (`loss.impl=fused`, the head's matmul and the cross-entropy in chunks, the
     gradients computed in the forward): no logits, but the hidden states' gradient (fp32, as the final norm's
-    output under autocast), and the chunk in flight (a bounded working set, not per token); the head weight's
-    gradient is `loss_fixed_bytes`."""
+    output under autocast); the head weight's gradient and the chunk in flight are `loss_fixed_bytes`."""
     if loss_impl == "fused":
         return c.hidden_size * 4
     return c.vocab_size // tp * (e + 4 + (4 if e != 4 else 0))
 
 
-def loss_fixed_bytes(c, tp: int = 1, loss_impl: str = "plain") -> int:
-    """What the loss keeps whatever the tokens: the fused loss's fp32 gradient of the head weight (its vocab-parallel
-    rows under tensor parallel), computed in the forward and held until backward."""
-    return c.vocab_size // tp * c.hidden_size * 4 if loss_impl == "fused" else 0
+def loss_fixed_bytes(c, tp: int = 1, loss_impl: str = "plain", e: int = 2, chunk: int = 0) -> int:
+    """What the fused loss holds beyond its per-token terms, of its vocab-parallel rows under tensor parallel: the
+    fp32 gradient of the head weight, computed in the forward and held until backward, and one chunk of `chunk`
+    tokens in flight, its logits (compute dtype) and, eager (on CPU and under tensor parallel), their fp32 copy."""
+    if loss_impl != "fused":
+        return 0
+    return c.vocab_size // tp * (c.hidden_size * 4 + chunk * (e + (4 if e != 4 else 0)))
 
 
 def optimizer_state_bytes(c, per_param: int, optimizer: str = "adamw") -> int:

@@ -15,6 +15,7 @@ from parallama.config.parts import locate_target
 from parallama.errors import ConfigError
 from parallama.parallel.memory import (
     FP32,
+    FUSED_LOSS_CHUNK,
     Estimate,
     activation_bytes,
     float8_gathered,
@@ -103,10 +104,12 @@ def estimate(
     float8_share: float = 1.0,
     optimizer: str = "adamw",
     loss_impl: str = "plain",
+    loss_chunk: int = FUSED_LOSS_CHUNK,
 ) -> dict[str, Estimate]:
     """Per-GPU peak memory of every strategy profile of a fixed layout (see the module docstring for the
     accounting; those with `layouts` are searched by parallel/layouts.py). `float8`: see `float8_gathered`;
-    `optimizer`: `optimizer_state_bytes`; `loss_impl`: `loss_bytes`."""
+    `optimizer`: `optimizer_state_bytes`; `loss_impl`, `loss_chunk` (loss.chunk_size): `loss_bytes` and
+    `loss_fixed_bytes`."""
     n, psi = world_size, config.num_params()
     out = {}
     for name, s in (strategies or profiles()).items():
@@ -129,7 +132,13 @@ def estimate(
         e = 4 if precision in FP32 else 2
         e_res = 4 if s.engine == "autocast" else e  # autocast keeps the residual stream in fp32
         acts = activation_bytes(
-            config, seq_len * micro_batch, e, e_res, activation_checkpointing, loss_impl=loss_impl
+            config,
+            seq_len * micro_batch,
+            e,
+            e_res,
+            activation_checkpointing,
+            loss_impl=loss_impl,
+            loss_chunk=loss_chunk,
         )
         acts += moe_activation_bytes(config, seq_len * micro_batch, e, activation_checkpointing)
         out[name] = Estimate(*states, gathered=gathered, activations=acts)

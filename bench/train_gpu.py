@@ -199,8 +199,7 @@ def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int
 def schedule(args) -> list[tuple[int, str, str]]:
     """(round, model, arm) in the order they run: round 1 in PLAN's order, each later round rotated by one more
     arm, so that no arm always runs first or right after the same one."""
-    models = list(DRY_MODELS) if args.dry_run else args.models
-    plan = {m: [a for a in PLAN[m] if wanted(args.arms, m, a)] for m in models}
+    plan = {m: planned(args.arms, m) for m in run_models(args)}
     order = []
     for r in range(args.rounds):
         for m, arms in plan.items():
@@ -209,9 +208,17 @@ def schedule(args) -> list[tuple[int, str, str]]:
     return order
 
 
-def wanted(arms: list[str] | None, model: str, arm: str) -> bool:
-    """`--arms` names an arm for every model (`default`) or for one (`llama_180m:default`); none: all."""
-    return not arms or arm in arms or f"{model}:{arm}" in arms
+def run_models(args) -> list[str]:
+    return list(DRY_MODELS) if args.dry_run else args.models
+
+
+def planned(arms: list[str] | None, model: str) -> list[str]:
+    """The arms of `model` that `--arms` names, for every model (`default`) or for this one (`llama_180m:default`):
+    PLAN's, in its order, then those PLAN lacks for the model, in `--arms`' order. No `--arms`: PLAN's."""
+    if not arms:
+        return PLAN[model]
+    asked = [a.split(":", 1)[-1] for a in arms if ":" not in a or a.startswith(f"{model}:")]
+    return [a for a in PLAN[model] if a in asked] + [a for a in dict.fromkeys(asked) if a not in PLAN[model]]
 
 
 def summarize_arm(runs: list[dict]) -> dict:
@@ -285,6 +292,9 @@ def run(args) -> dict:
     known = {*LEVERS, *TITAN, *BARE}
     if args.arms and (unknown := {a.split(":", 1)[-1] for a in args.arms} - known):
         raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    models = run_models(args)
+    if args.arms and (stray := sorted({a.split(":", 1)[0] for a in args.arms if ":" in a} - set(models))):
+        raise SystemExit(f"--arms: {', '.join(stray)} is not among the models run ({', '.join(models)})")
     from bench.gpu import peak_flops
 
     info = machine()

@@ -130,6 +130,30 @@ def test_by_default_every_arm_runs_in_two_interleaved_rounds_of_three_windows():
     assert args.windows >= 3 and args.rounds >= 2 and args.profile == 1
 
 
+def test_arms_named_for_a_model_run_even_where_its_plan_lacks_them_and_a_stray_model_is_refused():
+    """`--arms` selects from PLAN in its order and adds what PLAN lacks for that model (it had dropped those
+    silently); an arm for a model the call does not run is one line before any run."""
+    from bench.train_gpu import run, schedule
+
+    args = Namespace(dry_run=False, models=["llama3_2_1b", "llama_180m"], rounds=2)
+    args.arms = ["llama_180m:residual=bf16", "default", "llama3_2_1b:titan best"]
+    assert schedule(args) == [
+        (0, "llama3_2_1b", "default"),
+        (0, "llama3_2_1b", "titan best"),
+        (0, "llama_180m", "default"),
+        (0, "llama_180m", "residual=bf16"),
+        (1, "llama3_2_1b", "titan best"),
+        (1, "llama3_2_1b", "default"),
+        (1, "llama_180m", "residual=bf16"),
+        (1, "llama_180m", "default"),
+    ]
+    args.arms = ["llama3_8b_4l:default"]
+    with pytest.raises(
+        SystemExit, match=r"^--arms: llama3_8b_4l is not among the models run \(llama3_2_1b, llama_180m\)$"
+    ):
+        run(Namespace(**{**vars(args), "bare": None}))
+
+
 def test_the_residual_lever_puts_the_stream_between_blocks_in_the_compute_dtype():
     """bench/levers.py's candidate (`residual=bf16`): under autocast the blocks take bf16 hidden states, not the
     embedding's fp32; without autocast (CPU's 32-true) nothing changes."""

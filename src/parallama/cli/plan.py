@@ -77,9 +77,8 @@ def plan(cfg, gpu_memory_gb: float, overrides: list[str], conf_dirs: list[Path] 
         else 1.0,
         optimizer=optimizer_of(cfg.optimizer.get("_target_", "")),  # muon: one buffer (optimizer_state_bytes)
         loss_impl=OmegaConf.select(cfg, "loss.impl", default="plain"),  # what the loss keeps (loss_bytes)
-        loss_chunk=OmegaConf.select(
-            cfg, "loss.chunk_size", default=FUSED_LOSS_CHUNK
-        ),  # the fused loss's chunk in flight
+        # the fused loss's tokens in flight (loss_fixed_bytes)
+        loss_chunk=OmegaConf.select(cfg, "loss.chunk_size", default=FUSED_LOSS_CHUNK),
     )
     if terms["optimizer"] == "muon":
         notes.append("optimizer=muon: one momentum buffer for the blocks' matrices, AdamW's two for the rest")

@@ -18,9 +18,8 @@ from parallama.errors import ConfigError
 GIB = 2**30
 OVERHEAD_GIB = 1.5
 HEADROOM = 0.9  # a plan fits when its total is at most 90% of the GPU's memory
-FUSED_LOSS_CHUNK = (
-    4096  # loss.chunk_size's default (training/loss.py CrossEntropy): the fused loss's chunk in flight
-)
+# loss.chunk_size's default (training/loss.py CrossEntropy): the fused loss's tokens in flight
+FUSED_LOSS_CHUNK = 4096
 MIXED, FP32 = ("bf16-mixed", "16-mixed"), ("32-true", "32")
 
 

@@ -354,7 +354,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--arms",
         nargs="+",
-        help="only these arms (as in the results), e.g. default 'llama_180m:compile=false'",
+        help="only these arms (as in the results), e.g. default 'llama_180m:compile=false'; one PLAN lacks for a "
+        "model runs after PLAN's",
     )
     p.add_argument("--bare", help=argparse.SUPPRESS, default=None)  # a bare-loop arm's child process
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)

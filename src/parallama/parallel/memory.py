@@ -126,7 +126,8 @@ def loss_bytes(c, e: int, tp: int = 1, loss_impl: str = "plain") -> int:
 def loss_fixed_bytes(c, tp: int = 1, loss_impl: str = "plain", e: int = 2, chunk: int = 0) -> int:
     """What the fused loss holds beyond its per-token terms, of its vocab-parallel rows under tensor parallel: the
     fp32 gradient of the head weight, computed in the forward and held until backward, and one chunk of `chunk`
-    tokens in flight, its logits (compute dtype) and, eager (on CPU and under tensor parallel), their fp32 copy."""
+    tokens in flight: its logits (compute dtype) and their fp32 copy, which only the eager pass makes (on CPU and
+    under tensor parallel; compiled, on CUDA, it has none), counted always: the plan errs on the safe side."""
     if loss_impl != "fused":
         return 0
     return c.vocab_size // tp * (c.hidden_size * 4 + chunk * (e + (4 if e != 4 else 0)))

@@ -48,6 +48,8 @@ MODELS = {  # name: (parallama-train overrides, seq_len, micro-batch)
     "llama3_8b_4l": (["model=llama3_8b", "model.num_hidden_layers=4"], 8192, 1),
 }
 DRY_MODELS = {"tiny": (["model=tiny"], 64, 2)}
+# a candidate before it is a setting (bench/levers.py)
+RESIDUAL = "+callbacks.bench_residual._target_=bench.levers.ResidualInComputeDtype"
 LEVERS = {  # arm -> overrides on top of the user's command
     "default": [],
     "compile=false": ["compile=false"],
@@ -66,7 +68,8 @@ LEVERS = {  # arm -> overrides on top of the user's command
         "optimizer.ns_method=standard",
         "trainer.accumulate_grad_batches=16",
     ],
-    "residual=bf16": ["+callbacks.bench_residual._target_=bench.levers.ResidualInComputeDtype"],
+    "residual=bf16": [RESIDUAL],
+    "float8=tensorwise residual=bf16": ["float8=tensorwise", RESIDUAL],  # the best setting, were it adopted
 }
 TITAN = {  # torchtitan arms (bench/titan.py); "best": what the issue names its best settings
     "titan best": {"compile": True, "ac": "selective", "float8": "tensorwise"},
@@ -78,7 +81,7 @@ PLAN = {  # per model, in the order round 1 runs them
         "default", "titan best", "loss.impl=fused", "float8=tensorwise", "compile=false",
         "titan compile", "optimizer=muon accumulate=16", "muon standard accumulate=16", "accumulate=16",
         "float8=rowwise", "ac=selective",
-        "callbacks=none", "data.batch_size=8", "residual=bf16", "bare compile",
+        "callbacks=none", "data.batch_size=8", "residual=bf16", "float8=tensorwise residual=bf16", "bare compile",
     ],
     "llama_180m": ["default", "compile=false", "pad_vocab_multiple=64", "loss.impl=fused", "float8=tensorwise"],
     "llama3_8b_4l": ["default", "float8=tensorwise"],
@@ -262,6 +265,10 @@ RATIOS = {  # label: (arm, its reference); each as tokens/s and as peak memory
     "data.batch_size=8 / default": ("data.batch_size=8", "default"),
     "pad_vocab_multiple=64 / default (vocabulary as it is)": ("pad_vocab_multiple=64", "default"),
     "residual=bf16 / default (bench/levers.py)": ("residual=bf16", "default"),
+    "float8=tensorwise residual=bf16 / float8=tensorwise": (
+        "float8=tensorwise residual=bf16",
+        "float8=tensorwise",
+    ),
 }
 
 

@@ -5,6 +5,10 @@ window, so an arm cut short keeps what it measured.
 
 Windows are counted in micro-batches and closed at an optimizer step's end, so `trainer.accumulate_grad_batches`
 arms are timed in whole steps (their optimizer is in the window). Only the window ends synchronize with the GPU.
+
+`at` holds the wall-clock time (`time.time()`) the run reached each of its phases (`PHASES`), so that
+bench/train_gpu.py can say where a run's seconds go beyond its windows: a 1B run took 35-70 s on the GPUs for
+about 5 s of timed work, and what is left decides how many arms one device call holds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ KERNELS = {
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "matmul", "scaled_mm", "sm90_"),
 }
 RANGES = ("parallama.loss", "parallama.clip_gradients", "Optimizer.step")  # record_function names
+# Where a run is when `at` stamps it: Lightning's setup (before the model is built), the fit's start (model built,
+# optimizer made), the first micro-batch's end (compilation), the warm-up's end, the last window's, the profile's.
+PHASES = ("setup", "fit_start", "first_batch", "warmup_end", "windows_end", "profile_end")
 
 
 class Clock(L.Callback):
@@ -34,8 +41,17 @@ class Clock(L.Callback):
         self.path, self.warmup, self.steps, self.windows, self.profile = path, warmup, steps, windows, profile
         self.batches, self.optimizer_steps, self.last_step = 0, 0, 0
         self.phase, self.t0, self.tokens, self.window_batches = "warmup", 0.0, 0, 0
-        self.result: dict = {"rates": [], "peak_bytes": 0}
+        self.result: dict = {"rates": [], "peak_bytes": 0, "at": {}}
         self.profiler = None
+
+    def _stamp(self, phase: str) -> None:
+        self.result["at"][phase] = time.time()
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._stamp("setup")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._stamp("fit_start")
 
     def _sync(self, trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -52,6 +68,9 @@ class Clock(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.batches += 1
+        if self.batches == 1:
+            self._sync(trainer)
+            self._stamp("first_batch")
         if self.phase == "timing":
             self.tokens += batch["input_ids"].numel()
             self.window_batches += 1
@@ -64,6 +83,7 @@ class Clock(L.Callback):
             self._sync(trainer)
             if torch.cuda.is_available():  # every arm's peak from the same point: the end of its warm-up
                 torch.cuda.reset_peak_memory_stats()
+            self._stamp("warmup_end")
             self._start_window()
         elif self.phase == "timing" and self.window_batches >= self.steps:
             self._sync(trainer)
@@ -73,11 +93,13 @@ class Clock(L.Callback):
                 self._start_window()
             else:
                 self.phase = "profile" if self.profile else "done"
+                self._stamp("windows_end")
             self._write(trainer)
         elif self.phase == "profile" and self.optimizer_steps - self.profiled_from >= self.profile:
             self._sync(trainer)
             self.profiler.__exit__(None, None, None)
             self.result["profile"] = summary(self.profiler, self.profile)
+            self._stamp("profile_end")
             self.phase = "done"
             self._write(trainer)
         if self.phase == "done":

@@ -130,6 +130,7 @@ def train_run(model: str, lever: list[str], args, tmp: Path, name: str, timeout:
     out = tmp / f"{name}.json"
     out.unlink(missing_ok=True)
     line = command(model, lever, args, tmp / name, out, profile)
+    launched = time.time()
     try:
         proc = subprocess.run(
             line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
@@ -137,9 +138,17 @@ def train_run(model: str, lever: list[str], args, tmp: Path, name: str, timeout:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     found = json.loads(out.read_text()) if out.exists() else {}
+    found["timeline_s"] = timeline(launched, found.pop("at", {}), time.time())
     if proc.returncode != 0 or not found.get("rates"):
         return {**found, "error": last_lines(proc)}
     return found
+
+
+def timeline(launched: float, at: dict[str, float], ended: float) -> dict[str, float]:
+    """Where a run's seconds went, phase by phase (bench/clock.py `PHASES`, those the run reached, in the order it
+    reached them), from its launch to its process's end: each entry the seconds since the one before."""
+    marks = [("launch", launched), *sorted(at.items(), key=lambda mark: mark[1]), ("exit", ended)]
+    return {f"{a}-{b}": round(t1 - t0, 2) for (a, t0), (b, t1) in zip(marks, marks[1:])}
 
 
 def child(command: list[str], timeout: float) -> dict:

@@ -50,6 +50,13 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
         profile["ms_per_step_in_ranges"]
     )
     assert profile["top_ops"] and "profile" not in second
+    # where each run's seconds went, launch to exit, phase by phase (the second run has no profile)
+    phases = ["launch", "setup", "fit_start", "first_batch", "warmup_end", "windows_end", "profile_end", "exit"]
+    for run, reached in ((first, phases), (second, phases[:-2] + ["exit"])):
+        timeline = run["timeline_s"]
+        assert list(timeline) == [f"{a}-{b}" for a, b in zip(reached, reached[1:])], timeline
+        assert all(s >= 0 for s in timeline.values()), timeline
+        assert sum(timeline.values()) <= run["seconds"] + 0.1, run  # (rounded: to 0.01 s, the run to 0.1 s)
     assert "CUDA" in rows["titan compile"]["error"]
     assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
 

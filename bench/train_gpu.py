@@ -301,16 +301,22 @@ def summarize(results: dict, peak_flops: float | None) -> dict:
     return ratios
 
 
-def run(args) -> dict:
-    if args.bare:
-        bare(args.bare, args.compile, args)
-        return {}
+def check_arms(args) -> None:
+    """`--arms` names known arms, for models the call runs: one line before any run (a typo in bench/gpu_run.sh
+    would cost a device lease)."""
     known = {*LEVERS, *TITAN, *BARE}
     if args.arms and (unknown := {a.split(":", 1)[-1] for a in args.arms} - known):
         raise SystemExit(f"--arms: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     models = run_models(args)
     if args.arms and (stray := sorted({a.split(":", 1)[0] for a in args.arms if ":" in a} - set(models))):
         raise SystemExit(f"--arms: {', '.join(stray)} is not among the models run ({', '.join(models)})")
+
+
+def run(args) -> dict:
+    if args.bare:
+        bare(args.bare, args.compile, args)
+        return {}
+    check_arms(args)
     from bench.gpu import peak_flops
 
     info = machine()

@@ -5,6 +5,7 @@ checked as parallama-train checks them) for every model the GPU call runs."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 from argparse import Namespace
 from pathlib import Path
@@ -51,7 +52,16 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
     )
     assert profile["top_ops"] and "profile" not in second
     # where each run's seconds went, launch to exit, phase by phase (the second run has no profile)
-    phases = ["launch", "setup", "fit_start", "first_batch", "warmup_end", "windows_end", "profile_end", "exit"]
+    phases = [
+        "launch",
+        "setup",
+        "fit_start",
+        "first_batch",
+        "warmup_end",
+        "windows_end",
+        "profile_end",
+        "exit",
+    ]
     for run, reached in ((first, phases), (second, phases[:-2] + ["exit"])):
         timeline = run["timeline_s"]
         assert list(timeline) == [f"{a}-{b}" for a, b in zip(reached, reached[1:])], timeline
@@ -122,6 +132,33 @@ def test_without_cuda_train_gpu_says_so(capsys):
 def test_the_gpu_scripts_parse(script):
     bench = Path(__file__).resolve().parents[2] / "bench"
     assert subprocess.run(["bash", "-n", str(bench / script)]).returncode == 0
+
+
+def test_every_benchmark_command_of_the_gpu_script_parses_and_names_known_arms():
+    """bench/gpu_run.sh runs only on a lent GPU, where a typo in an option or an arm costs the lease: each of its
+    `python3 -m bench ...` commands parses as `python -m bench` parses it, and each train-gpu call's arms are known
+    and run (every arm it names is scheduled, for a model the call runs)."""
+    from bench.__main__ import parser
+    from bench.train_gpu import check_arms, schedule
+
+    script = (Path(__file__).resolve().parents[2] / "bench" / "gpu_run.sh").read_text().replace("\\\n", " ")
+    lines = [
+        line.split("python3 -m bench ", 1)[1] for line in script.splitlines() if "python3 -m bench " in line
+    ]
+    assert len(lines) == 5, lines  # calls 1, 2 and 3: train-gpu each; bench loss and optim-step
+    train_calls = 0
+    for line in lines:
+        words = shlex.split(line.split("||")[0].replace('"$left"', "300").replace('"$budget"', "470"))
+        args = parser().parse_args(words)
+        if args.name != "train-gpu":
+            continue
+        train_calls += 1
+        check_arms(args)
+        scheduled = {(model, arm) for _, model, arm in schedule(args)}
+        for named in args.arms:
+            model, _, arm = named.rpartition(":")
+            assert all((m, arm) in scheduled for m in ([model] if model else args.models)), (named, scheduled)
+    assert train_calls == 3
 
 
 def test_by_default_every_arm_runs_in_two_interleaved_rounds_of_three_windows():

@@ -138,12 +138,22 @@ def train_run(model: str, lever: list[str], args, tmp: Path, name: str, timeout:
             line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    found = json.loads(out.read_text()) if out.exists() else {}
-    found["timeline_s"] = timeline(launched, found.pop("at", {}), time.time())
+        proc = None
+    found = clock_file(out)
+    found["timeline_s"] = timeline(launched, found.pop("at", {}), time.time())  # also how far a cut run got
+    if proc is None:
+        return {**found, "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0 or not found.get("rates"):
         return {**found, "error": last_lines(proc)}
     return found
+
+
+def clock_file(path: Path) -> dict:
+    """What a run's Clock wrote: {} where it wrote nothing, or where the run was killed in the middle of a write."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def timeline(launched: float, at: dict[str, float], ended: float) -> dict[str, float]:

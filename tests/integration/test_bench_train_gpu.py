@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.__main__ import main
-from bench.clock import summary
+from bench.clock import PHASES, summary
 from bench.train_gpu import LEVERS, MODELS, command
 from parallama.app.compose import compose_tool
 
@@ -52,16 +52,7 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
     )
     assert profile["top_ops"] and "profile" not in second
     # where each run's seconds went, launch to exit, phase by phase (the second run has no profile)
-    phases = [
-        "launch",
-        "setup",
-        "fit_start",
-        "first_batch",
-        "warmup_end",
-        "windows_end",
-        "profile_end",
-        "exit",
-    ]
+    phases = ["launch", *PHASES, "exit"]
     for run, reached in ((first, phases), (second, phases[:-2] + ["exit"])):
         timeline = run["timeline_s"]
         assert list(timeline) == [f"{a}-{b}" for a, b in zip(reached, reached[1:])], timeline
@@ -69,6 +60,19 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
         assert sum(timeline.values()) <= run["seconds"] + 0.1, run  # (rounded: to 0.01 s, the run to 0.1 s)
     assert "CUDA" in rows["titan compile"]["error"]
     assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
+
+
+def test_a_run_cut_by_its_timeout_says_how_far_it_got_and_a_torn_clock_file_reads_as_nothing(tmp_path):
+    """A run killed at its timeout keeps its timeline (here: killed before Lightning's setup, still importing), and
+    the Clock file a kill tore in the middle of a write reads as nothing rather than ending the benchmark."""
+    from bench.train_gpu import clock_file, train_run
+
+    args = Namespace(dry_run=True, warmup=1, steps=1, windows=1, cache_dir=str(tmp_path))
+    result = train_run("tiny", [], args, tmp_path, "cut", timeout=1, profile=0)
+    assert result["error"] == "timed out after 1 s" and list(result["timeline_s"]) == ["launch-exit"], result
+    assert 1 <= result["timeline_s"]["launch-exit"] < 10, result
+    (tmp_path / "torn.json").write_text('{"rates": [6195.2')
+    assert clock_file(tmp_path / "torn.json") == {} and clock_file(tmp_path / "absent.json") == {}
 
 
 def test_the_profile_counts_each_kernel_once_and_each_range_by_its_kernels():

@@ -7,8 +7,8 @@ Windows are counted in micro-batches and closed at an optimizer step's end, so `
 arms are timed in whole steps (their optimizer is in the window). Only the window ends synchronize with the GPU.
 
 `at` holds the wall-clock time (`time.time()`) the run reached each of its phases (`PHASES`), so that
-bench/train_gpu.py can say where a run's seconds go beyond its windows: a 1B run took 35-70 s on the GPUs for
-about 5 s of timed work, and what is left decides how many arms one device call holds.
+bench/train_gpu.py can say where a run's seconds go beyond its windows: a 1B run took 35-70 s on the H100 and
+H200 for about 5 s of timed work, and what is left decides how many arms one device call holds.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@
 #   1: the 1B's goals side by side: the default against torchtitan 0.2.2's best, float8, the fused loss in
 #      training, a candidate lever (bench/levers.py: the residual stream in bf16) alone and with float8 (what the
 #      best setting would be were it adopted), and the 180M's default.
-#   2: the loss alone (bench loss: the fused loss's one-pass elementwise step and chunks of 4096 are new since
-#      any GPU ran it), then Muon's default (ns_method=gram) against AdamW at 16 micro-batches (128k tokens) a step.
+#   2: the loss alone (bench loss: the fused loss's compiled elementwise step without fp32 copies, and chunks of
+#      4096, are new since any GPU ran it), then Muon's default (ns_method=gram) against AdamW at 16 micro-batches (128k tokens) a step.
 #   3: the rest: the optimizer step alone (bench optim-step), the 8B shape in bf16 and float8, the 1B at batch 8,
 #      Muon standard at 16 micro-batches, the 180M padded.
 # A lease (15 minutes, a minute of it the start) holds call 1 and most of call 2. The H200 lease of 19:40 UTC ran

@@ -1,7 +1,8 @@
 """The timer `python -m bench train-gpu` adds to each `parallama-train` run it times (`+callbacks.bench_clock`):
 tokens/s in windows of whole optimizer steps after a warm-up, the peak memory from the end of the warm-up, and a
-profile of the step after the last window (where the step's time goes). Written as JSON to `path` after every
-window, so an arm cut short keeps what it measured.
+profile of the step after the last window (where the step's time goes: its parts, blocks, head + loss,
+optimizer, clipping, each forward and backward; the kernels by kind; the costliest ops). Written as JSON to `path`
+after every window, so an arm cut short keeps what it measured.
 
 Windows are counted in micro-batches and closed at an optimizer step's end, so `trainer.accumulate_grad_batches`
 arms are timed in whole steps (their optimizer is in the window). Only the window ends synchronize with the GPU.
@@ -17,18 +18,24 @@ import json
 import os
 import sys
 import time
+from bisect import bisect_right
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.autograd import DeviceType
+from torch.profiler import record_function
 
 # Kernel names, by what they compute: a profile's device time split into these (the rest is "other").
 KERNELS = {
     "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "matmul", "scaled_mm", "sm90_"),
 }
-RANGES = ("parallama.loss", "parallama.clip_gradients", "Optimizer.step")  # record_function names
+RANGES = ("parallama.loss", "parallama.clip_gradients")  # record_function names of parallama's own
+# The parts a profiled step is split into (`StepParts`), each a range the Clock opens and closes around it.
+PARTS = {"blocks": "bench.blocks", "head+loss": "bench.head+loss", "optimizer": "bench.optimizer"}
+# The profiler's name for an autograd node run in backward (its sequence number: that of the op that made it).
+BACKWARD = "autograd::engine::evaluate_function: "
 # Where a run is when `at` stamps it: Lightning's setup (before the model is built), the fit's start (model built,
 # optimizer made), the first micro-batch's end (compilation), the warm-up's end, the last window's, the profile's.
 PHASES = ("setup", "fit_start", "first_batch", "warmup_end", "windows_end", "profile_end")
@@ -44,7 +51,7 @@ class Clock(L.Callback):
         self.batches, self.optimizer_steps, self.last_step = 0, 0, 0
         self.phase, self.t0, self.tokens, self.window_batches = "warmup", 0.0, 0, 0
         self.result: dict = {"rates": [], "peak_bytes": 0, "at": {}}
-        self.profiler = None
+        self.profiler, self.parts = None, None
 
     def _stamp(self, phase: str) -> None:
         self.result["at"][phase] = time.time()
@@ -66,7 +73,16 @@ class Clock(L.Callback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
+            self.parts = StepParts(pl_module.model, trainer.optimizers)
             self.profiled_from = self.optimizer_steps
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.parts:
+            self.parts.close("head+loss")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.parts:  # after the backward; clipping and the optimizer's step follow
+            self.parts.begin("optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.batches += 1
@@ -99,7 +115,9 @@ class Clock(L.Callback):
             self._write(trainer)
         elif self.phase == "profile" and self.optimizer_steps - self.profiled_from >= self.profile:
             self._sync(trainer)
+            self.parts.remove()
             self.profiler.__exit__(None, None, None)
+            self.parts = None
             self.result["profile"] = summary(self.profiler, self.profile)
             self._stamp("profile_end")
             self.phase = "done"
@@ -118,6 +136,39 @@ class Clock(L.Callback):
             Path(self.path).write_text(json.dumps(self.result))
 
 
+class StepParts:
+    """The ranges (`PARTS`) that split the profiled step, opened and closed from hooks, only while it is profiled:
+    the blocks, from the embedding's output to the final norm; the head and the loss, from the final norm to the
+    backward (Lightning's `on_before_backward`); the optimizer, from the backward's end (`on_before_optimizer_step`)
+    to its step's end (the post-hook of the optimizer Lightning steps, not of one it steps inside, as Muon's AdamW
+    half: the range must hold that one's whole), clipping inside it. Hooks on eager modules only (a compiled block
+    would recompile for one). A range holds a part's forward; `by_part` adds the backward of the ops run in it."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.open: dict[str, record_function] = {}
+        self.hooks = [o.register_step_post_hook(lambda *_: self.close("optimizer")) for o in optimizers]
+        embed, norm = getattr(model, "embed_tokens", None), getattr(model, "norm", None)
+        if embed is not None and norm is not None:  # the model families' layout (models/llama/model.py)
+            self.hooks.append(embed.register_forward_hook(lambda *_: self.begin("blocks")))
+            self.hooks.append(norm.register_forward_pre_hook(lambda *_: self.begin("head+loss")))
+
+    def begin(self, part: str) -> None:
+        if part == "head+loss":
+            self.close("blocks")
+        self.close(part)
+        self.open[part] = record_function(PARTS[part]).__enter__()
+
+    def close(self, part: str) -> None:
+        if (opened := self.open.pop(part, None)) is not None:
+            opened.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for part in list(self.open):
+            self.close(part)
+        for hook in self.hooks:
+            hook.remove()
+
+
 def end_now() -> None:
     """The run's results written, its process ends here, with status 0: the fit's teardown, the end-of-run report
     and the interpreter's shutdown (a second and a half of a tiny CPU run; on a GPU also the CUDA context and
@@ -128,15 +179,15 @@ def end_now() -> None:
 
 
 def summary(profiler, steps: int) -> dict:
-    """Where a step's time goes, per optimizer step: device (else CPU) milliseconds of the GPU kernels by kind
-    (`KERNELS`; none on a CPU; each kernel counted once, not again in the op that launched it), of the named ranges
-    (a range's device time is that of the kernels launched inside it; where the CPU runs far ahead, as under
-    gradient accumulation, stalls on a full launch queue land in whichever range is open: read those with care)
-    (`RANGES`: the loss, clipping, the optimizer), and the 15 costliest ops. A `record_function` range is a CPU
-    event whose device time is its kernels', and also a GPU-timeline annotation spanning them: `gpu_annotation`
-    drops the latter, which is neither a kernel nor an op (counted until the H200 lease of 19:40 UTC, it put
-    Lightning's `Optimizer.step`, which wraps the whole forward and backward, among the kernels as "other", and
-    counted each range twice)."""
+    """Where a step's time goes, per optimizer step: device (else CPU) milliseconds of its parts (`by_part`), of
+    the GPU kernels by kind (`KERNELS`; none on a CPU; each kernel counted once, not again in the op that launched
+    it), of parallama's named ranges (`RANGES`: the loss, clipping; a range's device time is that of the kernels
+    launched inside it), and the 15 costliest ops. A `record_function` range is a CPU event whose device time is
+    its kernels', and also a GPU-timeline annotation spanning them: `gpu_annotation` drops the latter, which is
+    neither a kernel nor an op (counted until the H200 lease of 19:40 UTC, it put Lightning's `Optimizer.step`,
+    which wraps the whole forward and backward, among the kernels as "other", and counted each range twice).
+    Where the CPU runs far ahead, as under gradient accumulation, the profiler may charge a stall on a full launch
+    queue to whichever range is open: read the ranges with care."""
     events = [e for e in profiler.key_averages() if not gpu_annotation(e)]
     on_device = any(getattr(e, "self_device_time_total", 0) for e in events)
 
@@ -154,6 +205,9 @@ def summary(profiler, steps: int) -> dict:
         kinds[next((k for k, words in KERNELS.items() if any(w in name for w in words)), "other")] += self_ms(
             e
         )
+    parts = by_part(profiler.events(), total_ms)
+    if on_device:  # the kernels no part holds: the embedding's, the gradients' accumulation into `.grad`
+        parts["other"] = sum(kinds.values()) - sum(parts.values())
     ranges = {
         r: round(sum(total_ms(e) for e in events if e.key.startswith(r)), 3)
         for r in RANGES
@@ -162,10 +216,47 @@ def summary(profiler, steps: int) -> dict:
     top = sorted(events, key=self_ms, reverse=True)[:15]
     return {
         "clock": "device" if on_device else "cpu",
+        "ms_per_step_by_part": {k: round(v, 3) for k, v in parts.items()},
         "ms_per_step_by_kind": {k: round(v, 3) for k, v in kinds.items()},
         "ms_per_step_in_ranges": ranges,
         "top_ops": [{"name": e.key[:120], "calls": e.count, "self_ms": round(self_ms(e), 3)} for e in top],
     }
+
+
+def by_part(events, ms) -> dict[str, float]:
+    """The step's parts (`PARTS`, and clipping), forward and backward: a part's range holds its forward; its
+    backward is the autograd nodes that the forward's ops made (the profiler gives an op and the node it made the
+    same sequence number), each node counted once (not again where it runs inside another, as a reentrant
+    checkpoint's do); the optimizer's range holds clipping, counted apart. `ms(event)`: an event's milliseconds
+    per step. A part whose range never opened reads 0."""
+    events = [e for e in events if not gpu_annotation(e)]
+    ranges = {part: [e for e in events if e.name == name] for part, name in PARTS.items()}
+    spans = sorted((e.time_range.start, e.time_range.end, e.thread, part) for part in ("blocks", "head+loss")
+                   for e in ranges[part])  # fmt: skip
+    starts = [span[0] for span in spans]
+    made_in = {}  # (thread, sequence number) of a forward op -> the part whose range ran it
+    for e in events:
+        if e.sequence_nr < 0 or e.name.startswith(BACKWARD):
+            continue
+        i = bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.end <= spans[i][1] and e.thread == spans[i][2]:
+            made_in[(e.thread, e.sequence_nr)] = spans[i][3]
+    parts = {part: sum(ms(e) for e in found) for part, found in ranges.items()}
+    for e in events:
+        part = made_in.get((e.fwd_thread, e.sequence_nr)) if e.name.startswith(BACKWARD) else None
+        if part and not inside_backward_node(e):
+            parts[part] += ms(e)
+    parts["clip"] = sum(ms(e) for e in events if e.name == "parallama.clip_gradients")
+    if ranges["optimizer"]:  # which holds clipping
+        parts["optimizer"] -= parts["clip"]
+    return parts
+
+
+def inside_backward_node(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith(BACKWARD):
+        parent = parent.cpu_parent
+    return parent is not None
 
 
 def gpu_annotation(event) -> bool:

@@ -47,9 +47,9 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
     first, second = rows["default"]["runs"]
     profile = first["profile"]  # the first run of a parallama-train arm profiles one step after its windows
     assert profile["clock"] == "cpu" and profile["ms_per_step_by_kind"] == {}  # kernels: on a GPU only
-    assert {"parallama.loss", "parallama.clip_gradients", "Optimizer.step"} <= set(
-        profile["ms_per_step_in_ranges"]
-    )
+    assert set(profile["ms_per_step_in_ranges"]) == {"parallama.loss", "parallama.clip_gradients"}
+    parts = profile["ms_per_step_by_part"]  # forward and backward; no "other" without kernel times
+    assert set(parts) == {"blocks", "head+loss", "optimizer", "clip"} and min(parts.values()) > 0, parts
     assert profile["top_ops"] and "profile" not in second
     # where each run's seconds went, launch to exit, phase by phase (the second run has no profile)
     phases = ["launch", *PHASES, "exit"]
@@ -75,41 +75,105 @@ def test_a_run_cut_by_its_timeout_says_how_far_it_got_and_a_torn_clock_file_read
     assert clock_file(tmp_path / "torn.json") == {} and clock_file(tmp_path / "absent.json") == {}
 
 
-def test_the_profile_counts_each_kernel_once_and_each_range_by_its_kernels():
+def test_the_profile_counts_each_kernel_once_and_splits_the_step_into_its_parts_forward_and_backward():
     """On a GPU, torch's profiler gives a `record_function` range twice: the CPU event (its device time: the kernels
     launched inside) and an annotation on the GPU's timeline spanning them. The first H200 profiles counted the
     annotations too: Lightning's `Optimizer.step`, which wraps forward and backward, became 128 ms of "other"
-    kernels in a 129 ms step, and clipping read 8.5 ms for 4.1 ms of kernels. A step of that shape, made of torch's
-    own profiler events (no GPU here to record one)."""
+    kernels in a 129 ms step, and clipping read 8.5 ms for 4.1 ms of kernels. The parts: a part's range holds its
+    forward, the autograd nodes its ops made (same sequence number, run on the backward's thread) its backward, a
+    node run inside another counts once, a gradient's accumulation is in no part. A step of that shape, made of
+    torch's own profiler events (no GPU here to record one; the dry run above splits a real step, on its CPU)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
-    def event(i, name, start_ms, end_ms, gpu=False, annotation=False):
-        device, thread = (DeviceType.CUDA, 7) if gpu else (DeviceType.CPU, 1)
-        return FunctionEvent(i, name, thread, start_ms * 1000, end_ms * 1000, use_device="cuda", stack=[],
-                             device_type=device, is_user_annotation=annotation)  # fmt: skip
+    from bench.clock import BACKWARD
 
-    step, clip, mm = (
-        event(0, "Optimizer.step#AdamW.step", 0, 130, annotation=True),
-        event(1, "parallama.clip_gradients", 100, 106, annotation=True),
-        event(2, "aten::mm", 10, 11),
-    )
-    clip.append_kernel("vectorized_elementwise_kernel", 0, 4000)
-    mm.append_kernel("nvjet_sm90_tst", 0, 77000)
-    on_gpu = [
-        event(3, "Optimizer.step#AdamW.step", 0, 128, gpu=True, annotation=True),
-        event(4, "parallama.clip_gradients", 100, 104.4, gpu=True, annotation=True),
-        event(5, "nvjet_sm90_tst", 10, 87, gpu=True),
-        event(6, "vectorized_elementwise_kernel", 100, 104, gpu=True),
+    events = []
+
+    def event(
+        name, start_ms, end_ms, gpu=False, annotation=False, thread=1, seq=-1, kernel_ms=0.0, kind="nvjet"
+    ):
+        device, thread = (DeviceType.CUDA, 7) if gpu else (DeviceType.CPU, thread)
+        e = FunctionEvent(len(events), name, thread, start_ms * 1000, end_ms * 1000, fwd_thread=1, use_device="cuda",
+                          stack=[], device_type=device, is_user_annotation=annotation, sequence_nr=seq)  # fmt: skip
+        if kernel_ms:
+            e.append_kernel(kind, 0, kernel_ms * 1000)
+            events.append(event(kind, start_ms, start_ms + kernel_ms, gpu=True))
+        return e
+
+    step = event("Optimizer.step#AdamW.step", 0, 130, annotation=True)
+    cpu = [
+        step,
+        event("bench.blocks", 1, 20, annotation=True),
+        event("CompiledFunction", 2, 19, seq=10, kernel_ms=30),  # a compiled block's forward
+        event("bench.head+loss", 21, 30, annotation=True),
+        event("aten::mm", 22, 29, seq=20, kernel_ms=5),  # the head's
+        event(BACKWARD + "MmBackward0", 31, 40, thread=2, seq=20, kernel_ms=8),
+        event(BACKWARD + "CompiledFunctionBackward", 41, 90, thread=2, seq=10, kernel_ms=50),
+        event(
+            BACKWARD + "CheckpointFunctionBackward", 50, 60, thread=2, seq=10, kernel_ms=6
+        ),  # inside the above
+        event(
+            BACKWARD + "torch::autograd::AccumulateGrad", 91, 92, thread=2, kernel_ms=1, kind="elementwise"
+        ),
+        event("bench.optimizer", 100, 125, annotation=True),
+        event("parallama.clip_gradients", 101, 106, annotation=True, kernel_ms=4, kind="elementwise"),
+        event("aten::_fused_adamw_", 107, 120, kernel_ms=10, kind="multi_tensor_apply_kernel"),
     ]
-    events = EventList([step, clip, mm, *on_gpu], use_device="cuda")
-    events._build_tree()
-    result = summary(SimpleNamespace(key_averages=events.key_averages), steps=1)
-    assert result["ms_per_step_by_kind"] == {"attention": 0.0, "matmul": 77.0, "other": 4.0}
-    assert result["ms_per_step_in_ranges"] == {"parallama.clip_gradients": 4.0, "Optimizer.step": 81.0}
-    assert result["top_ops"][0] == {"name": "aten::mm", "calls": 1, "self_ms": 77.0}
+    on_gpu = [
+        event("Optimizer.step#AdamW.step", 0, 128, gpu=True, annotation=True)
+    ]  # the annotations' copies
+    on_gpu.append(event("parallama.clip_gradients", 100, 104.4, gpu=True, annotation=True))
+    found = EventList([*cpu, *events, *on_gpu], use_device="cuda")
+    found._build_tree()
+    result = summary(SimpleNamespace(key_averages=found.key_averages, events=lambda: found), steps=1)
+    assert result["ms_per_step_by_kind"] == {"attention": 0.0, "matmul": 99.0, "other": 15.0}
+    assert result["ms_per_step_by_part"] == {
+        "blocks": 86.0,  # 30 forward, 50 + 6 backward (the checkpoint's node inside the block's: once)
+        "head+loss": 13.0,
+        "optimizer": 10.0,
+        "clip": 4.0,
+        "other": 1.0,  # the gradient's accumulation
+    }
+    assert result["ms_per_step_in_ranges"] == {"parallama.clip_gradients": 4.0}
+    assert result["top_ops"][0] == {"name": "nvjet", "calls": 5, "self_ms": 99.0}  # the kernels, by name
+
+
+def test_the_optimizer_part_holds_an_optimizer_stepped_inside_the_one_lightning_steps():
+    """Muon's AdamW half is a torch AdamW stepped inside `MuonAdamW.step`. Closed at any optimizer's step end (the
+    global post-hook), the optimizer's range ended inside that AdamW's own range: the profiler's tree then put the
+    AdamW's ops outside it, and on a GPU their kernels in no part. Closed at the end of the step of the optimizer
+    Lightning steps, the range holds it whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.clock import StepParts
+
+    model = torch.nn.Linear(8, 8)
+
+    class Outer(torch.optim.Optimizer):  # the shape of MuonAdamW.step
+        def __init__(self, params) -> None:
+            super().__init__(params, {})
+            self.inner = torch.optim.AdamW(self.param_groups[0]["params"])
+
+        def step(self, closure=None) -> None:
+            with torch.enable_grad():
+                closure()
+            self.inner.step()
+
+    optimizer = Outer(model.parameters())
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        parts = StepParts(model, [optimizer])
+
+        def closure() -> None:  # Lightning's: the training step, the backward, then on_before_optimizer_step
+            model(torch.randn(4, 8)).sum().backward()
+            parts.begin("optimizer")
+
+        optimizer.step(closure)
+        parts.remove()
+    inner = next(e for e in profiler.events() if e.name == "Optimizer.step#AdamW.step")
+    assert inner.cpu_parent.name == "bench.optimizer"
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -3,7 +3,7 @@ beside the bare loop and torchtitan 0.2.2 on the same GPU in the same call; resu
 
 Arms (`PLAN`: per model, the goals' arms first; `--arms` picks some):
 - `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`: compile is on by
-  default on CUDA), then one lever at a time on top (`LEVERS`): the old default (`compile=false`), the loss,
+  default on CUDA; each run forked from a process with the imports done: bench/forked.py), then one lever at a time on top (`LEVERS`): the old default (`compile=false`), the loss,
   float8, activation checkpointing, the callbacks (`callbacks=none`: what the default ones cost), Muon against
   AdamW at 16 micro-batches (128k tokens) an optimizer step, the 1B at batch 8. Validation, the
   sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded corpus, the byte
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from bench import forked
 from bench.common import ROOT, free_port, machine, print_machine, save
 
 MODELS = {  # name: (parallama-train overrides, seq_len, micro-batch)
@@ -127,16 +128,22 @@ def last_lines(proc) -> str:
     return " | ".join(lines[-4:])
 
 
-def train_run(model: str, lever: list[str], args, tmp: Path, name: str, timeout: float, profile: int) -> dict:
-    """One `parallama-train` run of an arm: its Clock's windows, or the error's last lines."""
+def train_run(
+    model: str, lever: list[str], args, tmp: Path, name: str, timeout: float, profile: int, fork: bool
+) -> dict:
+    """One `parallama-train` run of an arm, forked (bench/forked.py) or afresh: its Clock's windows, or the error's
+    last lines."""
     out = tmp / f"{name}.json"
     out.unlink(missing_ok=True)
     line = command(model, lever, args, tmp / name, out, profile)
     launched = time.time()
     try:
-        proc = subprocess.run(
-            line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
-        )
+        if fork:
+            proc = forked.run(line, ROOT, child_env(), timeout)
+        else:
+            proc = subprocess.run(
+                line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+            )
     except subprocess.TimeoutExpired:
         proc = None
     found = clock_file(out)
@@ -202,7 +209,31 @@ def model_fields(overrides: list[str]) -> dict:
     return fields
 
 
-def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int) -> dict:
+class Forks:
+    """Whether parallama-train runs are forked (bench/forked.py). Until a forked run has succeeded, one that fails
+    (not by its timeout) runs again afresh; if that succeeds, the call's later runs start afresh too (`note`)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.proven, self.note = on, False, None
+
+    def run(self, go) -> dict:
+        """`go(fork)`: one run of an arm."""
+        result = go(self.on)
+        if result.get("rates"):
+            self.proven = self.proven or self.on
+            return result
+        if not self.on or self.proven or "timed out" in result.get("error", ""):
+            return result
+        again = go(False)
+        if again.get("rates"):
+            self.on = False
+            self.note = (
+                f"a forked run failed where a fresh one ran; later runs started afresh: {result['error']}"
+            )
+        return again
+
+
+def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int, forks: Forks) -> dict:
     """One run of an arm, whatever runs it."""
     if name in BARE:
         dry = ["--dry-run"] if args.dry_run else []
@@ -217,7 +248,9 @@ def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int
         arm.update(steps=args.steps, windows=args.windows, port=free_port())
         return child(["bench.titan", json.dumps(arm)], timeout)
     slug = name.replace("=", "-").replace(" ", "_")
-    return train_run(model, LEVERS[name], args, tmp, f"{model}-{slug}", timeout, profile)
+    return forks.run(
+        lambda fork: train_run(model, LEVERS[name], args, tmp, f"{model}-{slug}", timeout, profile, fork)
+    )
 
 
 def schedule(args) -> list[tuple[int, str, str]]:
@@ -338,6 +371,7 @@ def run(args) -> dict:
         return {}
     peak = None if args.dry_run else peak_flops(torch.device("cuda"))
     runs: dict = {}
+    forks = Forks(args.fork)
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for r, model, name in schedule(args):
@@ -349,9 +383,8 @@ def run(args) -> dict:
             if any("error" in d or "skipped" in d for d in done):
                 continue  # an arm that failed once is not retried
             t0 = time.monotonic()
-            result = arm_run(
-                model, name, args, Path(tmp), min(left, args.arm_timeout_s), int(r == 0) * args.profile
-            )
+            timeout, profile = min(left, args.arm_timeout_s), int(r == 0) * args.profile
+            result = arm_run(model, name, args, Path(tmp), timeout, profile, forks)
             result["seconds"] = round(time.monotonic() - t0, 1)
             done.append(result)
             shown = result.get("rates") or result.get("skipped") or result.get("error")
@@ -364,7 +397,10 @@ def run(args) -> dict:
         "timings of a --dry-run (CPU, tiny sizes) mean nothing" if args.dry_run else
         f"tokens/s per GPU: median of {args.rounds} interleaved runs x {args.windows} windows of >= {args.steps} "
         f"micro-batches after {args.warmup}; peak memory from the end of each run's warm-up",
-    ]  # fmt: skip
+        "parallama-train runs forked from a process with torch, Lightning and Hydra imported (bench/forked.py): "
+        "timeline_s's launch-setup holds no imports but the first run's" if forks.on else
+        "parallama-train runs started afresh (their launch-setup holds the imports)",
+    ] + ([forks.note] if forks.note else [])  # fmt: skip
     save(args.out, "train-gpu", info, out)
     print(json.dumps(out["ratios"], indent=2))
     return out
@@ -384,6 +420,12 @@ def add_arguments(p) -> None:
     p.add_argument("--arm-timeout-s", type=float, default=150, help="one run's limit")
     p.add_argument(
         "--dry-run", action="store_true", help="the arms once on CPU, tiny sizes (checks the script)"
+    )
+    p.add_argument(
+        "--fork",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork parallama-train runs from a process with the imports done (bench/forked.py)",
     )
     p.add_argument(
         "--arms",

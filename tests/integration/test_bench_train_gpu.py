@@ -60,6 +60,7 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
         assert sum(timeline.values()) <= run["seconds"] + 0.1, run  # (rounded: to 0.01 s, the run to 0.1 s)
     assert "CUDA" in rows["titan compile"]["error"]
     assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
+    assert "runs forked from a process with torch, Lightning and Hydra imported" in result["notes"][1]
 
 
 def test_a_run_cut_by_its_timeout_says_how_far_it_got_and_a_torn_clock_file_reads_as_nothing(tmp_path):
@@ -68,7 +69,7 @@ def test_a_run_cut_by_its_timeout_says_how_far_it_got_and_a_torn_clock_file_read
     from bench.train_gpu import clock_file, train_run
 
     args = Namespace(dry_run=True, warmup=1, steps=1, windows=1, cache_dir=str(tmp_path))
-    result = train_run("tiny", [], args, tmp_path, "cut", timeout=1, profile=0)
+    result = train_run("tiny", [], args, tmp_path, "cut", timeout=1, profile=0, fork=False)
     assert result["error"] == "timed out after 1 s" and list(result["timeline_s"]) == ["launch-exit"], result
     assert 1 <= result["timeline_s"]["launch-exit"] < 10, result
     (tmp_path / "torn.json").write_text('{"rates": [6195.2')

@@ -32,6 +32,7 @@ KERNELS = {
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "matmul", "scaled_mm", "sm90_"),
 }
 RANGES = ("parallama.loss", "parallama.clip_gradients")  # record_function names of parallama's own
+CLIP = "bench.clip_gradients"  # the plain loops' clipping (`profile_step`), parallama's is "parallama.clip_gradients"
 # The parts a profiled step is split into (`StepParts`), each a range the Clock opens and closes around it.
 PARTS = {"blocks": "bench.blocks", "head+loss": "bench.head+loss", "optimizer": "bench.optimizer"}
 # The profiler's name for an autograd node run in backward (its sequence number: that of the op that made it).
@@ -144,11 +145,15 @@ class StepParts:
     half: the range must hold that one's whole), clipping inside it. Hooks on eager modules only (a compiled block
     would recompile for one). A range holds a part's forward; `by_part` adds the backward of the ops run in it."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], embedding: str = "embed_tokens"
+    ) -> None:
         self.open: dict[str, record_function] = {}
         self.hooks = [o.register_step_post_hook(lambda *_: self.close("optimizer")) for o in optimizers]
-        embed, norm = getattr(model, "embed_tokens", None), getattr(model, "norm", None)
-        if embed is not None and norm is not None:  # the model families' layout (models/llama/model.py)
+        embed, norm = getattr(model, embedding, None), getattr(model, "norm", None)
+        if (
+            embed is not None and norm is not None
+        ):  # the layout of parallama's families (and torchtitan's Llama)
             self.hooks.append(embed.register_forward_hook(lambda *_: self.begin("blocks")))
             self.hooks.append(norm.register_forward_pre_hook(lambda *_: self.begin("head+loss")))
 
@@ -167,6 +172,37 @@ class StepParts:
             self.close(part)
         for hook in self.hooks:
             hook.remove()
+
+
+class Unprofiled:
+    """`StepParts`' stand-in in the steps a plain loop does not profile."""
+
+    def begin(self, part: str) -> None:
+        pass
+
+    def close(self, part: str) -> None:
+        pass
+
+
+UNPROFILED = Unprofiled()
+
+
+def profile_step(step, model: torch.nn.Module, optimizer, embedding: str = "embed_tokens") -> dict:
+    """`summary` of one step of a plain loop (bench/gpu.py's, bench/titan.py's), split into the same parts as
+    parallama-train's: `step(parts)` runs it, calling `parts.close("head+loss")` before its backward and
+    `parts.begin("optimizer")` after, clipping in a `CLIP` range (given `UNPROFILED` in the other steps)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    activities = [
+        torch.profiler.ProfilerActivity.CPU,
+        *([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+    ]
+    with torch.profiler.profile(activities=activities) as profiler:
+        parts = StepParts(model, [optimizer], embedding)
+        step(parts)
+        if cuda:
+            torch.cuda.synchronize()
+        parts.remove()
+    return summary(profiler, 1)
 
 
 def end_now() -> None:
@@ -246,7 +282,7 @@ def by_part(events, ms) -> dict[str, float]:
         part = made_in.get((e.fwd_thread, e.sequence_nr)) if e.name.startswith(BACKWARD) else None
         if part and not inside_backward_node(e):
             parts[part] += ms(e)
-    parts["clip"] = sum(ms(e) for e in events if e.name == "parallama.clip_gradients")
+    parts["clip"] = sum(ms(e) for e in events if e.name in ("parallama.clip_gradients", CLIP))
     if ranges["optimizer"]:  # which holds clipping
         parts["optimizer"] -= parts["clip"]
     return parts

@@ -24,7 +24,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
+from bench.clock import CLIP, UNPROFILED, profile_step
 from bench.common import ROOT, machine, median, preset, print_machine, quiet, save, sync
 
 # seq_len, batch; the 180M's batch is the article's global batch as one micro-batch (at 16, an H100 waits on launches)
@@ -60,10 +62,11 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def measure(
-    cfg: dict, seq_len: int, batch: int, variant: dict, device: torch.device, args
-) -> tuple[list, int]:
+    cfg: dict, seq_len: int, batch: int, variant: dict, device: torch.device, args, profile: bool = False
+) -> tuple[list, int, dict | None]:
     """Tokens/s of `args.repeats` consecutive windows of `args.steps` training steps on random tokens
-    after `args.warmup` untimed ones (compilation happens there), and the peak allocated bytes."""
+    after `args.warmup` untimed ones (compilation happens there), the peak allocated bytes, and with `profile`
+    where one more step's time goes (bench/clock.py `profile_step`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from parallama.distributed.blocks import apply_ac, apply_compile
@@ -92,6 +95,19 @@ def measure(
     x, y = tokens[:, :-1], tokens[:, 1:]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    def train_step(parts=UNPROFILED) -> None:
+        with backend():
+            with autocast:
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            parts.close("head+loss")
+            loss.backward()
+        parts.begin("optimizer")
+        with record_function(CLIP):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     rates, t0 = [], 0.0
     for step in range(args.warmup + args.steps * args.repeats + 1):
         if step >= args.warmup and (step - args.warmup) % args.steps == 0:
@@ -101,15 +117,9 @@ def measure(
             if len(rates) == args.repeats:
                 break
             t0 = time.perf_counter()
-        with backend():
-            with autocast:
-                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return rates, peak
+    return rates, peak, profile_step(train_step, model, opt) if profile else None
 
 
 class PeakMemory(L.Callback):
@@ -201,7 +211,7 @@ def run(args) -> dict:
         from parallama.models.llama.config import LlamaConfig
 
         try:
-            rates, mem = measure(cfg, seq_len, batch, variant, device, args)
+            rates, mem, _ = measure(cfg, seq_len, batch, variant, device, args)
         except RuntimeError as err:  # e.g. out of memory, or no kernel for a forced SDPA backend: go on
             print(f"{label:<36} failed: {str(err).splitlines()[0][:200]}")
             torch.cuda.empty_cache()

@@ -6,8 +6,9 @@ FLOPs per token), built on the meta device and parallelized by torchtitan's own 
 selective activation checkpointing, compile per block with fullgraph, float8 through its converter with
 torchao's `auto_filter_small_kn` and the head kept high precision), with its defaults: SDPA, its compiled plain loss
 (`build_cross_entropy_loss`: sum over tokens, divided by the valid ones), bf16 autocast over fp32 weights on one
-GPU (`maybe_enable_amp`), fused AdamW, clipping at 1.0. Timed in windows as the parallama arms (bench/train_gpu.py).
-Run as its own process (`python -m bench.titan <json>`): torchtitan needs a process group, and the GPU's memory is
+GPU (`maybe_enable_amp`), fused AdamW, clipping at 1.0. Timed in windows as the parallama arms
+(bench/train_gpu.py), and one more step profiled as theirs are (its parts split at its embedding and final norm:
+bench/clock.py `profile_step`). Run as its own process (`python -m bench.titan <json>`): torchtitan needs a process group, and the GPU's memory is
 then the arm's alone.
 
 torchtitan is no dependency of parallama: bench/gpu_wheels.sh downloads its pure wheels, bench/gpu_run.sh installs
@@ -22,6 +23,9 @@ import sys
 import time
 
 import torch
+from torch.profiler import record_function
+
+from bench.clock import CLIP, UNPROFILED, profile_step
 
 SHAPES = {  # torchtitan's TransformerModelArgs of parallama's presets
     "llama3_2_1b": dict(
@@ -79,6 +83,19 @@ def measure(arm: dict) -> dict:
     batch, seq_len = arm["batch"], arm["seq_len"]
     tokens = torch.randint(0, 128256, (batch, seq_len + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def train_step(parts=UNPROFILED) -> None:
+        with amp:  # torchtitan's forward_backward_step on one GPU
+            loss = loss_fn(model(x), y) / y.numel()
+        parts.close("head+loss")
+        loss.backward()
+        parts.begin("optimizer")
+        with record_function(CLIP):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        converters.post_optimizer_hook([model])
+        opt.zero_grad(set_to_none=True)
+
     rates, t0 = [], 0.0
     for step in range(arm["warmup"] + arm["steps"] * arm["windows"] + 1):
         if step >= arm["warmup"] and (step - arm["warmup"]) % arm["steps"] == 0:
@@ -90,17 +107,17 @@ def measure(arm: dict) -> dict:
             if len(rates) == arm["windows"]:
                 break
             t0 = time.perf_counter()
-        with amp:  # torchtitan's forward_backward_step on one GPU
-            loss = loss_fn(model(x), y) / y.numel()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        converters.post_optimizer_hook([model])
-        opt.zero_grad(set_to_none=True)
+        train_step()
     import torchtitan
 
-    version = getattr(torchtitan, "__version__", None)
-    return {"rates": rates, "peak_bytes": torch.cuda.max_memory_allocated(device), "torchtitan": version}
+    found = {"rates": rates, "peak_bytes": torch.cuda.max_memory_allocated(device)}
+    found["torchtitan"] = getattr(torchtitan, "__version__", None)
+    if arm.get("profile"):  # where its step's time goes, as the other arms' (never at the cost of the rates)
+        try:
+            found["profile"] = profile_step(train_step, model, opt, embedding="tok_embeddings")
+        except Exception as err:  # noqa: BLE001
+            found["profile_error"] = f"{type(err).__name__}: {err}"[:500]
+    return found
 
 
 def main() -> None:

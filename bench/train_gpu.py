@@ -195,8 +195,10 @@ def bare(model: str, compile: bool, args) -> None:
     cfg.update(model_fields(overrides))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loop = type("Loop", (), {"warmup": args.warmup, "steps": args.steps, "repeats": args.windows})
-    rates, peak = measure(cfg, seq_len, batch, {"compile": compile and not args.dry_run}, device, loop)
-    print("RESULT " + json.dumps({"rates": rates, "peak_bytes": peak}), flush=True)
+    variant = {"compile": compile and not args.dry_run}
+    rates, peak, profile = measure(cfg, seq_len, batch, variant, device, loop, profile=bool(args.profile))
+    found = {"rates": rates, "peak_bytes": peak, **({"profile": profile} if profile else {})}
+    print("RESULT " + json.dumps(found), flush=True)
 
 
 def model_fields(overrides: list[str]) -> dict:
@@ -238,6 +240,7 @@ def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int
     if name in BARE:
         dry = ["--dry-run"] if args.dry_run else []
         steps = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--windows", str(args.windows)]
+        steps += ["--profile", str(profile)]
         compile = ["--compile"] if BARE[name] else []
         return child(["bench.train_gpu", "--bare", model, *compile, *steps, *dry], timeout)
     if name in TITAN:
@@ -245,7 +248,7 @@ def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int
             return {"skipped": "torchtitan builds its model on CUDA (no CPU path) and imports triton"}
         _, seq_len, batch = shape(model)
         arm = {"shape": model, "seq_len": seq_len, "batch": batch, **TITAN[name], "warmup": args.warmup}
-        arm.update(steps=args.steps, windows=args.windows, port=free_port())
+        arm.update(steps=args.steps, windows=args.windows, profile=profile, port=free_port())
         return child(["bench.titan", json.dumps(arm)], timeout)
     slug = name.replace("=", "-").replace(" ", "_")
     return forks.run(

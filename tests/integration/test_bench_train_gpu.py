@@ -48,8 +48,10 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
     profile = first["profile"]  # the first run of a parallama-train arm profiles one step after its windows
     assert profile["clock"] == "cpu" and profile["ms_per_step_by_kind"] == {}  # kernels: on a GPU only
     assert set(profile["ms_per_step_in_ranges"]) == {"parallama.loss", "parallama.clip_gradients"}
-    parts = profile["ms_per_step_by_part"]  # forward and backward; no "other" without kernel times
-    assert set(parts) == {"blocks", "head+loss", "optimizer", "clip"} and min(parts.values()) > 0, parts
+    for arm in ("default", "bare eager"):  # the bare loop's step split as parallama-train's (`profile_step`)
+        parts = rows[arm]["runs"][0]["profile"]["ms_per_step_by_part"]  # no "other" without kernel times
+        assert set(parts) == {"blocks", "head+loss", "optimizer", "clip"} and min(parts.values()) > 0, parts
+        assert "profile" not in rows[arm]["runs"][1]  # round 2 does not profile
     assert profile["top_ops"] and "profile" not in second
     # where each run's seconds went, launch to exit, phase by phase (the second run has no profile)
     phases = ["launch", *PHASES, "exit"]

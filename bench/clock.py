@@ -151,9 +151,8 @@ class StepParts:
         self.open: dict[str, record_function] = {}
         self.hooks = [o.register_step_post_hook(lambda *_: self.close("optimizer")) for o in optimizers]
         embed, norm = getattr(model, embedding, None), getattr(model, "norm", None)
-        if (
-            embed is not None and norm is not None
-        ):  # the layout of parallama's families (and torchtitan's Llama)
+        # the layout of parallama's families and of torchtitan's Llama (a model without it: no blocks, no head)
+        if embed is not None and norm is not None:
             self.hooks.append(embed.register_forward_hook(lambda *_: self.begin("blocks")))
             self.hooks.append(norm.register_forward_pre_hook(lambda *_: self.begin("head+loss")))
 
@@ -222,8 +221,7 @@ def summary(profiler, steps: int) -> dict:
     its kernels', and also a GPU-timeline annotation spanning them: `gpu_annotation` drops the latter, which is
     neither a kernel nor an op (counted until the H200 lease of 19:40 UTC, it put Lightning's `Optimizer.step`,
     which wraps the whole forward and backward, among the kernels as "other", and counted each range twice).
-    Where the CPU runs far ahead, as under gradient accumulation, the profiler may charge a stall on a full launch
-    queue to whichever range is open: read the ranges with care."""
+    On a CPU the parts and ranges are CPU time, any wait inside them included."""
     events = [e for e in profiler.key_averages() if not gpu_annotation(e)]
     on_device = any(getattr(e, "self_device_time_total", 0) for e in events)
 

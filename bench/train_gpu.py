@@ -3,11 +3,12 @@ beside the bare loop and torchtitan 0.2.2 on the same GPU in the same call; resu
 
 Arms (`PLAN`: per model, the goals' arms first; `--arms` picks some):
 - `parallama-train model=<m> data.seq_len=S data.batch_size=B` as a user runs it (`default`: compile is on by
-  default on CUDA; each run forked from a process with the imports done: bench/forked.py), then one lever at a time on top (`LEVERS`): the old default (`compile=false`), the loss,
-  float8, activation checkpointing, the callbacks (`callbacks=none`: what the default ones cost), Muon against
-  AdamW at 16 micro-batches (128k tokens) an optimizer step, the 1B at batch 8. Validation, the
-  sample and the checkpoint callbacks are off (they act outside the timed steps); the embedded corpus, the byte
-  tokenizer, the preset's vocabulary. Timed by bench/clock.py's `Clock`, added as a callback.
+  default on CUDA; each run forked from a process with the imports done: bench/forked.py), then one lever at a
+  time on top (`LEVERS`): the old default (`compile=false`), the loss, float8, activation checkpointing, the
+  callbacks (`callbacks=none`: what the default ones cost), Muon against AdamW at 16 micro-batches (128k tokens)
+  an optimizer step, the 1B at batch 8. Validation, the sample and the checkpoint callbacks are off (they act
+  outside the timed steps); the embedded corpus, the byte tokenizer, the preset's vocabulary. Timed by
+  bench/clock.py's `Clock`, added as a callback.
 - the bare loop (bench/gpu.py's `measure`: the parallama model in plain PyTorch, random tokens);
 - torchtitan 0.2.2 (bench/titan.py): its Llama 3 at the same widths, parallelized by itself (`TITAN`).
 Models (`MODELS`): Llama-3.2-1B (seq 2048, batch 4), the 180M (seq 512, batch 64: the article's global batch as one

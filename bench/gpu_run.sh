@@ -8,17 +8,19 @@
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
 # What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows, as far as its budget goes (round 1
-# whole, round 2 for what is left):
-#   1: the 1B's goals side by side: the default against torchtitan 0.2.2's best, float8, the fused loss in
-#      training, a candidate lever (bench/levers.py: the residual stream in bf16) alone and with float8 (what the
-#      best setting would be were it adopted), and the 180M's default.
-#   2: the loss alone (bench loss: the fused loss's compiled elementwise step without fp32 copies, and chunks of
-#      4096, are new since any GPU ran it), then Muon's default (ns_method=gram) against AdamW at 16 micro-batches (128k tokens) a step.
-#   3: the rest: the optimizer step alone (bench optim-step), the 8B shape in bf16 and float8, the 1B at batch 8,
-#      Muon standard at 16 micro-batches, the 180M padded.
-# A lease (15 minutes, a minute of it the start) holds call 1 and most of call 2. The H200 lease of 19:40 UTC ran
-# Muon, the 1B and the 180M; the H200 lease of 13:46 and the H100 lease of 04:59 ran earlier groupings of these
-# arms. Next, on either GPU: calls 1 and 2.
+# whole, round 2 for what is left); the parallama-train runs fork from a process with the imports done
+# (bench/forked.py):
+#   1: issue #37's goals, every arm they are stated in, in one call: the 1B's default against torchtitan 0.2.2's
+#      best, float8, the fused loss in training, AdamW and Muon at 16 micro-batches (128k tokens) a step; the
+#      180M's default; the 8B shape in bf16 and float8.
+#   2: a candidate lever (bench/levers.py: the residual stream in bf16) against the default, alone and with float8
+#      (what the best setting would be were it adopted), side by side; then the loss alone (bench loss: the fused
+#      loss's compiled elementwise step without fp32 copies, and chunks of 4096, are new since any GPU ran it).
+#   3: the rest: the optimizer step alone (bench optim-step), the 1B at batch 8, Muon standard at 16
+#      micro-batches, the 180M padded.
+# A lease (15 minutes, a minute of it the start) holds calls 1 and 2. The H200 lease of 19:40 UTC ran Muon, the
+# 1B and the 180M; the H200 lease of 13:46 and the H100 lease of 04:59 ran earlier groupings of these arms. Next,
+# on either GPU: calls 1 and 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -31,26 +33,27 @@ python3 -c "import torch, lightning, hydra, torchao; print('torch', torch.__vers
 mkdir -p bench/results
 status=0
 case "$call" in
-  1)  # the 1B's goals side by side: the default against torchtitan's best, float8, the fused loss, the residual
-      # stream in bf16 alone and with float8; the 180M's default
-    python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$budget" --cache-dir /tmp/cache \
-      --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:float8=tensorwise \
-      llama3_2_1b:loss.impl=fused llama3_2_1b:residual=bf16 'llama3_2_1b:float8=tensorwise residual=bf16' \
-      llama_180m:default --out bench/results/train_gpu.json || status=$?
+  1)  # issue #37's goals in one call: the 1B against torchtitan's best, float8, the fused loss, AdamW and Muon at
+      # 128k tokens a step; the 180M; the 8B shape
+    python3 -m bench train-gpu --models llama3_2_1b llama_180m llama3_8b_4l --budget-s "$budget" \
+      --cache-dir /tmp/cache --arms llama3_2_1b:default 'llama3_2_1b:titan best' llama3_2_1b:float8=tensorwise \
+      llama3_2_1b:loss.impl=fused llama3_2_1b:accumulate=16 'llama3_2_1b:optimizer=muon accumulate=16' \
+      llama_180m:default llama3_8b_4l:default llama3_8b_4l:float8=tensorwise \
+      --out bench/results/train_gpu.json || status=$?
     ;;
-  2)  # the loss alone; Muon against AdamW at 128k tokens a step
-    timeout 60 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
-    left=$(( budget - ($(date +%s) - start) ))
+  2)  # the residual stream in bf16 against the default, alone and with float8; then the loss alone
+    left=$(( budget - 70 ))  # the loss's minute after it
     python3 -m bench train-gpu --models llama3_2_1b --budget-s "$left" --cache-dir /tmp/cache \
-      --arms accumulate=16 'optimizer=muon accumulate=16' --out bench/results/train_gpu_2.json || status=$?
+      --arms default residual=bf16 float8=tensorwise 'float8=tensorwise residual=bf16' \
+      --out bench/results/train_gpu_2.json || status=$?
+    timeout 60 python3 -m bench loss --device cuda --out bench/results/loss_gpu.json || status=$?
     ;;
-  3)  # the rest: the optimizer step alone, the 8B shape, the 1B at batch 8, Muon standard, the 180M's head padded
+  3)  # the rest: the optimizer step alone, the 1B at batch 8, Muon standard, the 180M's head padded
     timeout 120 python3 -m bench optim-step --out bench/results/optim_step_gpu.json || status=$?
     left=$(( budget - ($(date +%s) - start) ))
-    python3 -m bench train-gpu --models llama3_2_1b llama3_8b_4l llama_180m --budget-s "$left" \
-      --cache-dir /tmp/cache --arms llama3_8b_4l:default llama3_8b_4l:float8=tensorwise llama3_2_1b:default \
-      llama3_2_1b:data.batch_size=8 'llama3_2_1b:muon standard accumulate=16' llama_180m:default \
-      llama_180m:pad_vocab_multiple=64 --out bench/results/train_gpu_3.json || status=$?
+    python3 -m bench train-gpu --models llama3_2_1b llama_180m --budget-s "$left" --cache-dir /tmp/cache \
+      --arms llama3_2_1b:default llama3_2_1b:data.batch_size=8 'llama3_2_1b:muon standard accumulate=16' \
+      llama_180m:default llama_180m:pad_vocab_multiple=64 --out bench/results/train_gpu_3.json || status=$?
     ;;
   *) echo "usage: bash bench/gpu_run.sh 1|2|3 [budget seconds]"; exit 2 ;;
 esac

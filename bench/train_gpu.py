@@ -147,6 +147,10 @@ def train_run(
             )
     except subprocess.TimeoutExpired:
         proc = None
+    except Exception as err:  # noqa: BLE001  (the forked start failed: `Forks` runs the arm again afresh)
+        if not fork:
+            raise
+        proc = subprocess.CompletedProcess(line, 1, "", f"forked start failed: {type(err).__name__}: {err}")
     found = clock_file(out)
     found["timeline_s"] = timeline(launched, found.pop("at", {}), time.time())  # also how far a cut run got
     if proc is None:

@@ -30,6 +30,8 @@ sys.exit(int(sys.argv[2]))
 def test_a_forked_run_is_python_m_in_its_own_process_and_its_timeout_ends_what_it_started(tmp_path):
     (tmp_path / "probe.py").write_text(PROGRAM)
     env = {**os.environ, "PROBE": "seen"}
+    with pytest.raises(ValueError, match="not a `python -m <module>` line"):
+        forked.run([sys.executable, "probe.py"], tmp_path, env, timeout=60)
     done = forked.run([sys.executable, "-m", "probe", "exit", "3"], tmp_path, env, timeout=60)
     assert done.returncode == 3 and done.stderr == "to stderr\n"
     # the server imported Lightning: the run did not import it again

@@ -8,7 +8,7 @@
 # $OUT. TORCHINDUCTOR_CACHE_DIR keeps the compiled kernels for the arms' later rounds and for call 2.
 # What the 2026-11-27 leases measured is in bench/results/*_h100*.json and *_h200*.json (docs/benchmarks.md,
 # "train-gpu"). Each call runs its arms in 2 interleaved rounds of 3 windows, as far as its budget goes (round 1
-# whole, round 2 for what is left); the parallama-train runs fork from a process with the imports done
+# whole, round 2 for what is left); the arms' runs fork from a process with the imports done
 # (bench/forked.py):
 #   1: issue #37's goals, every arm they are stated in, in one call: the 1B's default against torchtitan 0.2.2's
 #      best, float8, the fused loss in training, AdamW and Muon at 16 micro-batches (128k tokens) a step; the

@@ -138,19 +138,7 @@ def train_run(
     out.unlink(missing_ok=True)
     line = command(model, lever, args, tmp / name, out, profile)
     launched = time.time()
-    try:
-        if fork:
-            proc = forked.run(line, ROOT, child_env(), timeout)
-        else:
-            proc = subprocess.run(
-                line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
-            )
-    except subprocess.TimeoutExpired:
-        proc = None
-    except Exception as err:  # noqa: BLE001  (the forked start failed: `Forks` runs the arm again afresh)
-        if not fork:
-            raise
-        proc = subprocess.CompletedProcess(line, 1, "", f"forked start failed: {type(err).__name__}: {err}")
+    proc = start(line, timeout, fork)
     found = clock_file(out)
     found["timeline_s"] = timeline(launched, found.pop("at", {}), time.time())  # also how far a cut run got
     if proc is None:
@@ -175,14 +163,27 @@ def timeline(launched: float, at: dict[str, float], ended: float) -> dict[str, f
     return {f"{a}-{b}": round(t1 - t0, 2) for (a, t0), (b, t1) in zip(marks, marks[1:])}
 
 
-def child(command: list[str], timeout: float) -> dict:
-    """A `python -m ...` arm in its own process (the GPU's memory is its own); its `RESULT {json}` line."""
-    line = [sys.executable, "-m", *command]
+def start(line: list[str], timeout: float, fork: bool) -> subprocess.CompletedProcess | None:
+    """Run `python -m ...` in its own process (the GPU's memory is its own), forked (bench/forked.py) or afresh;
+    None where it ran out of time."""
     try:
-        proc = subprocess.run(
+        if fork:
+            return forked.run(line, ROOT, child_env(), timeout)
+        return subprocess.run(
             line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
+        return None
+    except Exception as err:  # noqa: BLE001  (the forked start failed: `Forks` runs the arm again afresh)
+        if not fork:
+            raise
+        return subprocess.CompletedProcess(line, 1, "", f"forked start failed: {type(err).__name__}: {err}")
+
+
+def child(command: list[str], timeout: float, fork: bool) -> dict:
+    """A `python -m ...` arm that prints its result: its `RESULT {json}` line."""
+    proc = start([sys.executable, "-m", *command], timeout, fork)
+    if proc is None:
         return {"error": f"timed out after {timeout:.0f} s"}
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not found:
@@ -217,7 +218,7 @@ def model_fields(overrides: list[str]) -> dict:
 
 
 class Forks:
-    """Whether parallama-train runs are forked (bench/forked.py). Until a forked run has succeeded, one that fails
+    """Whether the arms' runs are forked (bench/forked.py). Until a forked run has succeeded, one that fails
     (not by its timeout) runs again afresh; if that succeeds, the call's later runs start afresh too (`note`)."""
 
     def __init__(self, on: bool) -> None:
@@ -247,14 +248,16 @@ def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int
         steps = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--windows", str(args.windows)]
         steps += ["--profile", str(profile)]
         compile = ["--compile"] if BARE[name] else []
-        return child(["bench.train_gpu", "--bare", model, *compile, *steps, *dry], timeout)
+        return forks.run(
+            lambda fork: child(["bench.train_gpu", "--bare", model, *compile, *steps, *dry], timeout, fork)
+        )
     if name in TITAN:
         if args.dry_run or not torch.cuda.is_available():
             return {"skipped": "torchtitan builds its model on CUDA (no CPU path) and imports triton"}
         _, seq_len, batch = shape(model)
         arm = {"shape": model, "seq_len": seq_len, "batch": batch, **TITAN[name], "warmup": args.warmup}
         arm.update(steps=args.steps, windows=args.windows, profile=profile, port=free_port())
-        return child(["bench.titan", json.dumps(arm)], timeout)
+        return forks.run(lambda fork: child(["bench.titan", json.dumps(arm)], timeout, fork))
     slug = name.replace("=", "-").replace(" ", "_")
     return forks.run(
         lambda fork: train_run(model, LEVERS[name], args, tmp, f"{model}-{slug}", timeout, profile, fork)
@@ -405,9 +408,9 @@ def run(args) -> dict:
         "timings of a --dry-run (CPU, tiny sizes) mean nothing" if args.dry_run else
         f"tokens/s per GPU: median of {args.rounds} interleaved runs x {args.windows} windows of >= {args.steps} "
         f"micro-batches after {args.warmup}; peak memory from the end of each run's warm-up",
-        "parallama-train runs forked from a process with torch, Lightning and Hydra imported (bench/forked.py): "
+        "arm runs forked from a process with torch, Lightning and Hydra imported (bench/forked.py): "
         "timeline_s's launch-setup holds no imports but the first run's" if forks.on else
-        "parallama-train runs started afresh (their launch-setup holds the imports)",
+        "arm runs started afresh (their launch-setup holds the imports)",
     ] + ([forks.note] if forks.note else [])  # fmt: skip
     save(args.out, "train-gpu", info, out)
     print(json.dumps(out["ratios"], indent=2))
@@ -433,7 +436,7 @@ def add_arguments(p) -> None:
         "--fork",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="fork parallama-train runs from a process with the imports done (bench/forked.py)",
+        help="fork the arms' runs from a process with the imports done (bench/forked.py)",
     )
     p.add_argument(
         "--arms",

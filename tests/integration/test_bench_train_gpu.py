@@ -62,7 +62,7 @@ def test_a_dry_run_interleaves_the_arms_times_windows_profiles_and_skips_torchti
         assert sum(timeline.values()) <= run["seconds"] + 0.1, run  # (rounded: to 0.01 s, the run to 0.1 s)
     assert "CUDA" in rows["titan compile"]["error"]
     assert result["ratios"]["tiny"] == {}  # none of RATIOS' pairs ran both arms
-    assert "runs forked from a process with torch, Lightning and Hydra imported" in result["notes"][1]
+    assert "arm runs forked from a process with torch, Lightning and Hydra imported" in result["notes"][1]
 
 
 def test_a_run_cut_by_its_timeout_says_how_far_it_got_and_a_torn_clock_file_reads_as_nothing(tmp_path):

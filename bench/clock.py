@@ -186,10 +186,19 @@ class Unprofiled:
 UNPROFILED = Unprofiled()
 
 
+def clip_and_step(parts, model: torch.nn.Module, optimizer) -> None:
+    """A plain loop's step after its backward, marked as `StepParts` splits it: clipping the gradients' norm at 1.0
+    (in a `CLIP` range), then the optimizer's step."""
+    parts.begin("optimizer")
+    with record_function(CLIP):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
 def profile_step(step, model: torch.nn.Module, optimizer, embedding: str = "embed_tokens") -> dict:
     """`summary` of one step of a plain loop (bench/gpu.py's, bench/titan.py's), split into the same parts as
     parallama-train's: `step(parts)` runs it, calling `parts.close("head+loss")` before its backward and
-    `parts.begin("optimizer")` after, clipping in a `CLIP` range (given `UNPROFILED` in the other steps)."""
+    `clip_and_step` after (given `UNPROFILED` in the other steps)."""
     cuda = next(model.parameters()).device.type == "cuda"
     activities = [
         torch.profiler.ProfilerActivity.CPU,

@@ -24,9 +24,8 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from bench.clock import CLIP, UNPROFILED, profile_step
+from bench.clock import UNPROFILED, clip_and_step, profile_step
 from bench.common import ROOT, machine, median, preset, print_machine, quiet, save, sync
 
 # seq_len, batch; the 180M's batch is the article's global batch as one micro-batch (at 16, an H100 waits on launches)
@@ -102,10 +101,7 @@ def measure(
                 loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             parts.close("head+loss")
             loss.backward()
-        parts.begin("optimizer")
-        with record_function(CLIP):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        clip_and_step(parts, model, opt)
         opt.zero_grad(set_to_none=True)
 
     rates, t0 = [], 0.0

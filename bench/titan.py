@@ -23,9 +23,8 @@ import sys
 import time
 
 import torch
-from torch.profiler import record_function
 
-from bench.clock import CLIP, UNPROFILED, profile_step
+from bench.clock import UNPROFILED, clip_and_step, profile_step
 
 SHAPES = {  # torchtitan's TransformerModelArgs of parallama's presets
     "llama3_2_1b": dict(
@@ -89,10 +88,7 @@ def measure(arm: dict) -> dict:
             loss = loss_fn(model(x), y) / y.numel()
         parts.close("head+loss")
         loss.backward()
-        parts.begin("optimizer")
-        with record_function(CLIP):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        clip_and_step(parts, model, opt)
         converters.post_optimizer_hook([model])
         opt.zero_grad(set_to_none=True)
 

@@ -7,8 +7,8 @@ runs some twenty of them.
 Each run is still its own process: its own argv, environment, working directory, process group, stdout and
 stderr, and its own CUDA context (the server imports and never touches the GPU; torch asks NVML, not the CUDA
 driver, whether there is one: `PYTORCH_NVML_BASED_CUDA_CHECK`, as CUDA cannot be used after a fork of a process
-that initialized it). What it cannot be is a fresh interpreter: bench/train_gpu.py runs an arm afresh whenever a
-forked run of it fails, and stops forking if the fresh run then succeeds.
+that initialized it). What it cannot be is a fresh interpreter: until a forked run has succeeded in a call,
+bench/train_gpu.py's `Forks` runs a failed one again afresh, and stops forking if that one succeeds.
 """
 
 from __future__ import annotations

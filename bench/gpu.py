@@ -25,8 +25,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from bench.clock import UNPROFILED, clip_and_step, profile_step
 from bench.common import ROOT, machine, median, preset, print_machine, quiet, save, sync
+from bench.step_time import UNPROFILED, clip_and_step, profile_step
 
 # seq_len, batch; the 180M's batch is the article's global batch as one micro-batch (at 16, an H100 waits on launches)
 PRESETS = {"tiny": (256, 64), "llama_180m": (512, 64), "llama3_2_1b": (2048, 4)}
@@ -65,7 +65,7 @@ def measure(
 ) -> tuple[list, int, dict | None]:
     """Tokens/s of `args.repeats` consecutive windows of `args.steps` training steps on random tokens
     after `args.warmup` untimed ones (compilation happens there), the peak allocated bytes, and with `profile`
-    where one more step's time goes (bench/clock.py `profile_step`)."""
+    where one more step's time goes (bench/step_time.py `profile_step`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from parallama.distributed.blocks import apply_ac, apply_compile

@@ -8,7 +8,7 @@ torchao's `auto_filter_small_kn` and the head kept high precision), with its def
 (`build_cross_entropy_loss`: sum over tokens, divided by the valid ones), bf16 autocast over fp32 weights on one
 GPU (`maybe_enable_amp`), fused AdamW, clipping at 1.0. Timed in windows as the parallama arms
 (bench/train_gpu.py), and one more step profiled as theirs are (its parts split at its embedding and final norm:
-bench/clock.py `profile_step`). Run as its own process (`python -m bench.titan <json>`): torchtitan needs a process
+bench/step_time.py `profile_step`). Run as its own process (`python -m bench.titan <json>`): torchtitan needs a process
 group, and the GPU's memory is then the arm's alone.
 
 torchtitan is no dependency of parallama: bench/gpu_wheels.sh downloads its pure wheels, bench/gpu_run.sh installs
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.clock import UNPROFILED, clip_and_step, profile_step
+from bench.step_time import UNPROFILED, clip_and_step, profile_step
 
 SHAPES = {  # torchtitan's TransformerModelArgs of parallama's presets
     "llama3_2_1b": dict(

@@ -18,7 +18,7 @@ published gains are claimed.
 Fairness: every arm runs `--rounds` times, the arms interleaved (round 1 in `PLAN`'s order, later rounds
 rotated), each run `--windows` timed windows after its warm-up: tokens/s is the median of all its windows, with
 their spread; its peak memory is reset at the same point (the end of the warm-up); its first run profiles one
-step after its windows (bench/clock.py `summary`: where the step's time goes); every parallama-train run says
+step after its windows (bench/step_time.py `summary`: where the step's time goes); every parallama-train run says
 where its own seconds went (`timeline_s`: start, model, compilation, warm-up, windows, profile, exit). Each result
 names the torch version it ran on. MFU = `LlamaConfig.flops_per_token(seq_len)` x tokens/s / the GPU's dense bf16
 peak, for every arm.

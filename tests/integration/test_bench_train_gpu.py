@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bench.__main__ import main
-from bench.clock import PHASES, summary
+from bench.clock import PHASES
+from bench.step_time import summary
 from bench.train_gpu import LEVERS, MODELS, command
 from parallama.app.compose import compose_tool
 
@@ -91,7 +92,7 @@ def test_the_profile_counts_each_kernel_once_and_splits_the_step_into_its_parts_
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
-    from bench.clock import BACKWARD
+    from bench.step_time import BACKWARD
 
     events = []
 
@@ -151,7 +152,7 @@ def test_the_optimizer_part_holds_an_optimizer_stepped_inside_the_one_lightning_
     Lightning steps, the range holds it whole."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.clock import StepParts
+    from bench.step_time import StepParts
 
     model = torch.nn.Linear(8, 8)
 

@@ -1,18 +1,19 @@
-"""`python -m <module> <args>` runs forked from a process that has imported torch, Lightning and Hydra once
-(multiprocessing's forkserver, those modules preloaded), instead of a fresh interpreter importing them again for
-every arm run of `train-gpu`: on this 2-core CPU that was 6.8 s of a tiny arm run's 9 s (Lightning imports
-torchmetrics, which imports transformers, scipy.signal and matplotlib where they are installed), and a device call
-runs some twenty of them.
+"""How `train-gpu`'s arms run, each in its own process (the GPU's memory its own): `python -m <module> <args>`
+forked from a process that has imported torch, Lightning and Hydra once (multiprocessing's forkserver, those
+modules preloaded), or afresh (`start`). Forked, a run does not import them again: on this 2-core CPU that was
+6.8 s of a tiny arm run's 9 s (Lightning imports torchmetrics, which imports transformers, scipy.signal and
+matplotlib where they are installed), and a device call runs some twenty of them.
 
 Each run is still its own process: its own argv, environment, working directory, process group, stdout and
 stderr, and its own CUDA context (the server imports and never touches the GPU; torch asks NVML, not the CUDA
 driver, whether there is one: `PYTORCH_NVML_BASED_CUDA_CHECK`, as CUDA cannot be used after a fork of a process
 that initialized it). What it cannot be is a fresh interpreter: until a forked run has succeeded in a call,
-bench/train_gpu.py's `Forks` runs a failed one again afresh, and stops forking if that one succeeds.
+`Forks` runs a failed one again afresh, and stops forking if that one succeeds.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import runpy
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.common import ROOT
 
 PRELOAD = ["torch", "lightning", "hydra"]
 
@@ -65,3 +68,66 @@ def as_main(module: str, args: list[str], cwd: str, env: dict, out: str, err: st
     sys.path[:0] = [cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]  # as python -m does
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def child_env() -> dict:
+    """The arms' processes import `bench` and `parallama` from this checkout (not installed on the GPU machines)."""
+    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def last_lines(proc) -> str:
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return " | ".join(lines[-4:])
+
+
+def start(line: list[str], timeout: float, fork: bool) -> subprocess.CompletedProcess | None:
+    """Run `python -m ...` in its own process (the GPU's memory is its own), forked (`run`) or afresh;
+    None where it ran out of time."""
+    try:
+        if fork:
+            return run(line, ROOT, child_env(), timeout)
+        return subprocess.run(
+            line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    except Exception as err:  # noqa: BLE001  (the forked start failed: `Forks` runs the arm again afresh)
+        if not fork:
+            raise
+        return subprocess.CompletedProcess(line, 1, "", f"forked start failed: {type(err).__name__}: {err}")
+
+
+def child(command: list[str], timeout: float, fork: bool) -> dict:
+    """A `python -m ...` arm that prints its result: its `RESULT {json}` line."""
+    proc = start([sys.executable, "-m", *command], timeout, fork)
+    if proc is None:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        return {"error": last_lines(proc)}
+    return json.loads(found[-1][len("RESULT ") :])
+
+
+class Forks:
+    """Whether the arms' runs are forked (`run`). Until a forked run has succeeded, one that fails (not by its
+    timeout) runs again afresh; if that succeeds, the call's later runs start afresh too (`note`)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.proven, self.note = on, False, None
+
+    def run(self, go) -> dict:
+        """`go(fork)`: one run of an arm."""
+        result = go(self.on)
+        if result.get("rates"):
+            self.proven = self.proven or self.on
+            return result
+        if not self.on or self.proven or "timed out" in result.get("error", ""):
+            return result
+        again = go(False)
+        if again.get("rates"):
+            self.on = False
+            self.note = (
+                f"a forked run failed where a fresh one ran; later runs started afresh: {result['error']}"
+            )
+        return again

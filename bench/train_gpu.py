@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +41,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bench import forked
 from bench.common import ROOT, free_port, machine, print_machine, save
+from bench.forked import Forks, child, last_lines, start
 
 MODELS = {  # name: (parallama-train overrides, seq_len, micro-batch)
     "llama3_2_1b": (["model=llama3_2_1b"], 2048, 4),
@@ -118,17 +116,6 @@ def command(model: str, lever: list[str], args, run_dir: Path, out: Path, profil
     return line + (["trainer.accelerator=cpu"] if args.dry_run else [])
 
 
-def child_env() -> dict:
-    """The arms' processes import `bench` and `parallama` from this checkout (not installed on the GPU machines)."""
-    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-
-
-def last_lines(proc) -> str:
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    return " | ".join(lines[-4:])
-
-
 def train_run(
     model: str, lever: list[str], args, tmp: Path, name: str, timeout: float, profile: int, fork: bool
 ) -> dict:
@@ -163,34 +150,6 @@ def timeline(launched: float, at: dict[str, float], ended: float) -> dict[str, f
     return {f"{a}-{b}": round(t1 - t0, 2) for (a, t0), (b, t1) in zip(marks, marks[1:])}
 
 
-def start(line: list[str], timeout: float, fork: bool) -> subprocess.CompletedProcess | None:
-    """Run `python -m ...` in its own process (the GPU's memory is its own), forked (bench/forked.py) or afresh;
-    None where it ran out of time."""
-    try:
-        if fork:
-            return forked.run(line, ROOT, child_env(), timeout)
-        return subprocess.run(
-            line, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return None
-    except Exception as err:  # noqa: BLE001  (the forked start failed: `Forks` runs the arm again afresh)
-        if not fork:
-            raise
-        return subprocess.CompletedProcess(line, 1, "", f"forked start failed: {type(err).__name__}: {err}")
-
-
-def child(command: list[str], timeout: float, fork: bool) -> dict:
-    """A `python -m ...` arm that prints its result: its `RESULT {json}` line."""
-    proc = start([sys.executable, "-m", *command], timeout, fork)
-    if proc is None:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not found:
-        return {"error": last_lines(proc)}
-    return json.loads(found[-1][len("RESULT ") :])
-
-
 def bare(model: str, compile: bool, args) -> None:
     """The bare loop's arm (run by `child`): bench/gpu.py's `measure` on the preset."""
     from bench.common import preset
@@ -215,30 +174,6 @@ def model_fields(overrides: list[str]) -> dict:
             key, value = o[len("model.") :].split("=", 1)
             fields[key] = int(value) if value.isdigit() else value
     return fields
-
-
-class Forks:
-    """Whether the arms' runs are forked (bench/forked.py). Until a forked run has succeeded, one that fails
-    (not by its timeout) runs again afresh; if that succeeds, the call's later runs start afresh too (`note`)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on, self.proven, self.note = on, False, None
-
-    def run(self, go) -> dict:
-        """`go(fork)`: one run of an arm."""
-        result = go(self.on)
-        if result.get("rates"):
-            self.proven = self.proven or self.on
-            return result
-        if not self.on or self.proven or "timed out" in result.get("error", ""):
-            return result
-        again = go(False)
-        if again.get("rates"):
-            self.on = False
-            self.note = (
-                f"a forked run failed where a fresh one ran; later runs started afresh: {result['error']}"
-            )
-        return again
 
 
 def arm_run(model: str, name: str, args, tmp: Path, timeout: float, profile: int, forks: Forks) -> dict:

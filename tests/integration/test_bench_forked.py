@@ -1,6 +1,6 @@
 """bench/forked.py: a `train-gpu` arm run forked from a process with the imports done is still `python -m <module>`
 in its own process (argv, environment, working directory, exit status, output), and its timeout ends it with what
-it started; bench/train_gpu.py's `Forks` runs afresh what fails forked."""
+it started; `Forks` runs afresh what fails forked."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import forked
-from bench.train_gpu import Forks
+from bench.forked import Forks
 
 PROGRAM = """
 import os, subprocess, sys, time

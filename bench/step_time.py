@@ -18,8 +18,9 @@ KERNELS = {
     "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "matmul", "scaled_mm", "sm90_"),
 }
-RANGES = ("parallama.loss", "parallama.clip_gradients")  # record_function names of parallama's own
-CLIP = "bench.clip_gradients"  # the plain loops' clipping (`profile_step`), parallama's is "parallama.clip_gradients"
+PARALLAMA_CLIP = "parallama.clip_gradients"  # training/module.py's range around clipping
+RANGES = ("parallama.loss", PARALLAMA_CLIP)  # record_function names of parallama's own
+CLIP = "bench.clip_gradients"  # the plain loops' clipping (`profile_step`)
 # The parts a profiled step is split into (`StepParts`), each a range the Clock opens and closes around it.
 PARTS = {"blocks": "bench.blocks", "head+loss": "bench.head+loss", "optimizer": "bench.optimizer"}
 # The profiler's name for an autograd node run in backward (its sequence number: that of the op that made it).
@@ -169,7 +170,7 @@ def by_part(events, ms) -> dict[str, float]:
         part = made_in.get((e.fwd_thread, e.sequence_nr)) if e.name.startswith(BACKWARD) else None
         if part and not inside_backward_node(e):
             parts[part] += ms(e)
-    parts["clip"] = sum(ms(e) for e in events if e.name in ("parallama.clip_gradients", CLIP))
+    parts["clip"] = sum(ms(e) for e in events if e.name in (PARALLAMA_CLIP, CLIP))
     if ranges["optimizer"]:  # which holds clipping
         parts["optimizer"] -= parts["clip"]
     return parts

@@ -318,10 +318,10 @@ def run(args) -> dict:
     peak = None if args.dry_run else peak_flops(torch.device("cuda"))
     runs: dict = {}
     forks = Forks(args.fork)
-    start = time.monotonic()
+    began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for r, model, name in schedule(args):
-            left = args.budget_s - (time.monotonic() - start)
+            left = args.budget_s - (time.monotonic() - began)
             done = runs.setdefault(model, {}).setdefault(name, [])
             if left < args.min_arm_s:
                 done.append({"skipped": f"round {r + 1}: time budget, {left:.0f} s of --budget-s left"})

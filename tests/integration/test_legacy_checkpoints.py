@@ -8,8 +8,10 @@ and export the true vocabulary. They predate checksums: each loads with the one 
 
 Bit for bit only on a machine like the one that wrote them: CPU kernels round differently across instruction
 sets (on an AVX-512 EPYC the continuation differs from the stored one by 1-2 float32 ulps, 3.7e-9 to 7.5e-9 on
-weights near 0.03). So weights are compared to ATOL, ~25 ulps: a checkpoint read wrongly (a lost optimizer moment,
-a shifted data position, another schedule) moves them by 1e-5 or more in these steps.
+weights near 0.03; on an AVX2 EPYC, Milan, the vocab300 embedding by up to 1.3e-7, 17 ulps: its rows' gradients
+are sums over their tokens, in another order, and Adam divides a rarely seen row's small gradient by its own
+scale). So weights are compared to ATOL: a checkpoint read wrongly (a lost optimizer moment, a shifted data
+position, another schedule) moves them by 1e-5 or more in these steps.
 
 `train/loss` is compared where one process wrote the checkpoint: the old code logged rank 0's own micro-batch loss
 under fsdp and deepspeed, today's the mean over the data-parallel replicas (what one process logs for the global
@@ -31,7 +33,7 @@ from safetensors.torch import load_file
 from parallama.cli.export import main as export_hf
 
 LEGACY = Path(__file__).resolve().parents[1] / "legacy"
-ATOL = 1e-7
+ATOL = 1e-6
 
 
 @pytest.mark.parametrize(

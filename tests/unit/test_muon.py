@@ -1,6 +1,7 @@
 """optimizer=muon (training/muon.py): Muon for the matrices inside the model contract's blocks, AdamW for the rest,
-on the Llama and on Qwen3; one step of the combined optimizer is torch's Muon and AdamW run separately, bit for
-bit; its state dict round-trips through a checkpoint file. The batched Newton-Schulz iteration (newton_schulz.py)
+on the Llama and on Qwen3; one step of the combined optimizer is torch's Muon and AdamW run separately (bit for
+bit given torch's orthogonalization; to bf16's rounding with the batched one); its state dict round-trips
+through a checkpoint file. The batched Newton-Schulz iteration (newton_schulz.py)
 gives each matrix torch's one-by-one result; the shares of the matrices (muon_share.py) are even and balanced; the
 AdamW side is fused as optimizer.fused is. Each rank's share on 4 ranks: tests/distributed/test_muon_share.py;
 every layout trains it as one process does: tests/distributed/test_recipe.py; resumed:
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 
 from parallama import CONF_DIR
 from parallama.errors import ConfigError
-from parallama.training import newton_schulz
+from parallama.training import muon_share, newton_schulz
 from parallama.training.module import CausalLM
 from parallama.training.muon import MuonAdamW, mark_hidden_matrices
 from parallama.training.muon_share import shares
@@ -75,7 +76,22 @@ def fill_grads(model, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=generator)
 
 
-def test_one_step_is_torchs_muon_and_adamw_run_separately():
+@pytest.mark.parametrize("iteration", ["torchs", "batched"])
+def test_one_step_is_torchs_muon_and_adamw_run_separately(iteration, monkeypatch):
+    """Given torch's own one-by-one orthogonalization, the rest of the step (momentum, Nesterov, the learning rate's
+    adjustment, decoupled decay, the AdamW side) is torch's bit for bit on any CPU. Batched, the bf16 GEMMs of a
+    stack of matrices may round otherwise than torch's on a transposed view: equal on an AVX-512 Xeon, up to
+    1.2e-4 after these three steps on an AVX2 EPYC (Milan), which move the weights by up to 0.03 (momentum 0.85
+    for 0.9 fails both variants)."""
+    if iteration == "torchs":
+        torchs = torch.optim._muon._zeropower_via_newtonschulz
+        monkeypatch.setattr(
+            muon_share,
+            "orthogonalize",
+            lambda updates, coefficients, steps, eps, *_: [
+                torchs(u, coefficients, steps, eps) for u in updates
+            ],
+        )
     lm = module("tiny")
     ours_model, torch_model = lm.model, copy.deepcopy(lm.model)
     keys = dict(lr=2e-2, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
@@ -111,7 +127,10 @@ def test_one_step_is_torchs_muon_and_adamw_run_separately():
         adamw.step()
         ours.zero_grad()
     for (name, a), b in zip(ours_model.named_parameters(), torch_model.parameters()):
-        assert torch.equal(a, b), name
+        if iteration == "torchs":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-4, msg=name)
     assert all(p.grad is None for p in ours_model.parameters())  # zero_grad covers both sides
     start = module("tiny").model
     assert max((a - b).abs().max() for a, b in zip(ours_model.parameters(), start.parameters())) > 1e-3

@@ -11,7 +11,7 @@ The Muon update is torch's (`torch.optim.Muon`: momentum, Nesterov, the Newton-S
 `adjust_lr_fn`), step for step, with two changes of how, not what. The orthogonalization runs in batches of
 same-shape matrices, one compiled function on CUDA (newton_schulz.py), each matrix normalized on its own as in
 torch's; by default (`ns_method: gram`) the same iteration runs on the Gram matrix, a third fewer FLOPs on Llama's
-MLP, k and v matrices, equal to torch's in exact arithmetic (`ns_method: standard` is torch's, bit for bit). And
+MLP, k and v matrices, equal to torch's in exact arithmetic (`ns_method: standard` is torch's, op for op). And
 each rank orthogonalizes only its share of the matrices, whole, and gets back its piece of every result
 (muon_share.py): a sharded parameter (a DTensor under fsdp or model_parallel, on any mesh) shares with the
 ranks of its mesh; whole ones under ddp with the ranks of torch.distributed's default group, whose gradients are
@@ -86,7 +86,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr: Muon's (torch's `adjust_lr_fn`: "original",
     "match_rms_adamw" or null); ns_dtype: the Newton-Schulz iteration's, bfloat16 (torch's) or float32;
-    ns_method: "gram" (the iteration on the Gram matrix: newton_schulz.py) or "standard" (torch's, bit for bit).
+    ns_method: "gram" (the iteration on the Gram matrix: newton_schulz.py) or "standard" (torch's, op for op).
     adamw_lr (null: lr), adamw_betas, adamw_eps, adamw_weight_decay: AdamW's; adamw_fused: torch's `fused` for
     AdamW (null: torch's default; parallama-train resolves it as optimizer.fused, training/optim.py
     `with_fused_default`). A group's own keys (the norms' weight_decay=0.0) win over these.

@@ -80,7 +80,7 @@ def fill_grads(model, step: int) -> None:
 def test_one_step_is_torchs_muon_and_adamw_run_separately(iteration, monkeypatch):
     """Given torch's own one-by-one orthogonalization, the rest of the step (momentum, Nesterov, the learning rate's
     adjustment, decoupled decay, the AdamW side) is torch's bit for bit on any CPU. Batched, the bf16 GEMMs of a
-    stack of matrices may round otherwise than torch's on a transposed view: equal on an AVX-512 Xeon, up to
+    stack of matrices may round otherwise than torch's on a transposed view: equal on the Intel Xeon VMs, up to
     1.2e-4 after these three steps on an AVX2 EPYC (Milan), which move the weights by up to 0.03 (momentum 0.85
     for 0.9 fails both variants)."""
     if iteration == "torchs":

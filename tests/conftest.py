@@ -17,6 +17,10 @@ from forkserver import ForkServer
 from parallama.runtime.launch import use_private_torch_extensions
 
 use_private_torch_extensions()  # one DeepSpeed op build for the whole suite, whatever HOME a test sets
+# One thread per test process: 2 workers share 2 cores, and torch's second thread only spins waiting for the other
+# worker's core (tests/unit: 228 s of CPU for 302 s with two, 2m03s for 2m39s on the 2-core CI machine). The runs
+# the tests start set their own (OMP_NUM_THREADS=1 below, or parallama's launcher sharing out the cores).
+torch.set_num_threads(1)
 # One matplotlib font cache too (torchmetrics imports matplotlib): a test's fresh HOME would otherwise have every
 # process of that test build it again (~5 s each).
 os.environ.setdefault("MPLCONFIGDIR", str(Path(tempfile.gettempdir()) / "parallama-tests-matplotlib"))

@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from parallama.config.schema import BOOL
 from parallama.distributed.dims import processes_per_node
@@ -80,6 +79,9 @@ class ShardedDDP(DDP):
         return {"dp_shard": -1}  # the optimizer state's shards
 
     def setup_optimizers(self, trainer) -> None:
+        # start-up time: torch.distributed.optim scripts its functional optimizers on import (0.4 s a process)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         super().setup_optimizers(trainer)
         sharded = []
         for optimizer in self.optimizers:

@@ -2,9 +2,11 @@
 
 On the 2-core CI machine `import torch, lightning` takes ~8 s of a tiny run's ~9.5 s (lightning imports
 torchmetrics, which imports transformers, scipy.signal and matplotlib; torch._dynamo), and the suite starts a few
-hundred of them. Each `run_cli` is still its own process, with its own argv, environment, working directory,
-exit status and stdout/stderr, run as `python -m <module>` runs it: this server forks it after the imports instead
-of a fresh interpreter doing them again.
+hundred of them. The server imports parallama's training path too (the ddp case of
+tests/distributed/test_strategies.py runs as a user's shell starts it, so nothing imported here can hide a missing
+import). Each `run_cli` is still its own process, with its own argv, environment, working directory, exit status
+and stdout/stderr, run as `python -m <module>` runs it: this server forks it after the imports instead of a fresh
+interpreter doing them again.
 
 The processes such a run starts are forked too, and stay its children: tests/zygote.py.
 
@@ -34,6 +36,14 @@ def serve() -> None:
     import hydra  # noqa: F401
     import lightning  # noqa: F401  (the ~8 s)
     import torch  # noqa: F401
+
+    # what a training run's every process imports after that (~0.3 s of CPU each, a few hundred processes); not
+    # parallama.cli.*, the modules runs start with `-m` (runpy warns when one is imported already)
+    import parallama.app.run  # noqa: F401
+    import parallama.parallel.strategies.ddp  # noqa: F401
+    import parallama.parallel.strategies.fsdp  # noqa: F401
+    import parallama.parallel.strategies.model_parallel  # noqa: F401
+    import parallama.training.module  # noqa: F401
 
     for line in sys.stdin:
         request = json.loads(line)

@@ -28,6 +28,7 @@ import sys
 import threading
 import traceback
 import types
+import warnings
 
 # The server's sys.path after its own script's directory and PYTHONPATH (forkserver.serve sets it).
 SITE_PATH: list[str] = []
@@ -42,6 +43,7 @@ def become(argv: list[str], env: dict, cwd: str, fds: dict[int, int]) -> None:
         _place(fds)
         os.environ.clear()
         os.environ.update(env)
+        _apply_warning_options(env)
         os.chdir(cwd)
         python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         # as python builds it: the working directory first ('' under -c), then PYTHONPATH, the installation's
@@ -71,6 +73,19 @@ def become(argv: list[str], env: dict, cwd: str, fds: dict[int, int]) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _apply_warning_options(env: dict) -> None:
+    """What an interpreter started with `env` does first: PYTHONWARNINGS's filters. A fork has the filters of the
+    process it was forked from, taken before that process set the variable for its children (runtime/quiet.py:
+    the warnings a spawned rank gives before it runs any of parallama's code)."""
+    new = [
+        option
+        for option in env.get("PYTHONWARNINGS", "").split(",")
+        if option and option not in sys.warnoptions
+    ]
+    sys.warnoptions.extend(new)
+    warnings._processoptions(new)
 
 
 def _place(fds: dict[int, int]) -> None:
@@ -140,8 +155,13 @@ def _fork_children_from_a_zygote() -> None:
 
     spawnv_passfds = multiprocessing.util.spawnv_passfds
 
+    # multiprocessing passes on this interpreter's flags (-B under PYTHONDONTWRITEBYTECODE=1): the zygote has them
+    own_flags = subprocess._args_from_interpreter_flags()
+
     def spawn(path, args, passfds):
         argv = [os.fsdecode(a) for a in args]
+        if argv[1 : 1 + len(own_flags)] == own_flags:
+            argv = [argv[0], *argv[1 + len(own_flags) :]]
         spawn_main = argv[1:2] == ["-c"] and argv[2].startswith(
             "from multiprocessing.spawn import spawn_main"
         )

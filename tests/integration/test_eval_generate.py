@@ -3,10 +3,10 @@
 import csv
 import json
 import math
-import subprocess
 
 import pytest
-from test_export import BIN, trained_run
+from conftest import run_cli
+from test_export import trained_run
 
 from parallama.cli.ckpt import main as convert_main
 from parallama.cli.evaluate import main as eval_main
@@ -21,11 +21,9 @@ def ckpt(tmp_path_factory):
     return trained_run(tmp_path_factory.getbasetemp()) / "checkpoints" / "last.ckpt"
 
 
-def test_eval_reproduces_the_runs_val_loss(ckpt):
+def test_eval_reproduces_the_runs_val_loss(ckpt, tmp_path):
     """Same held-out documents, same tokenizer, same weights: the loss training logged last."""
-    cmd = [str(BIN / "parallama-eval"), f"ckpt_path={ckpt}", "max_batches=2", "json=true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("parallama.cli.evaluate", f"ckpt_path={ckpt}", "max_batches=2", "json=true", cwd=tmp_path)
     result = json.loads(proc.stdout)
     with open(ckpt.parent.parent / "csv" / "metrics.csv") as f:
         logged = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
@@ -39,9 +37,8 @@ def test_eval_of_a_checkpoint_copied_on_its_own(ckpt, tmp_path):
     config's data with the checkpoint's tokenizer, said in one line."""
     lone = tmp_path / "copied.ckpt"
     lone.write_bytes(ckpt.read_bytes())
-    cmd = [str(BIN / "parallama-eval"), f"ckpt_path={lone}", "max_batches=2", "json=true", "data.seq_len=64"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = [f"ckpt_path={lone}", "max_batches=2", "json=true", "data.seq_len=64"]
+    proc = run_cli("parallama.cli.evaluate", *args, cwd=tmp_path)
     assert f"no run config beside {lone}" in proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert math.isfinite(result["loss"]) and result["tokens"] > 0

@@ -1,24 +1,13 @@
 """parallama-plan on the real command line: the table, the recommendation, and a strategy class from outside."""
 
 import json
-import os
-import subprocess
-import sys
 
 from conftest import run_cli
 
 
-def test_cli_prints_table_and_recommendation():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [
-        sys.executable,
-        "-m",
-        "parallama.cli.plan",
-        "model=llama3_8b",
-        "trainer.devices=8",
-        "gpu_memory_gb=80",
-    ]
-    out = subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout
+def test_cli_prints_table_and_recommendation(tmp_path):
+    args = ["model=llama3_8b", "trainer.devices=8", "gpu_memory_gb=80"]
+    out = run_cli("parallama.cli.plan", *args, cwd=tmp_path).stdout
     assert "deepspeed_3_offload" in out and "activations" in out
     assert "Recommendation:" in out and "\nparallama-train model=llama3_8b trainer.devices=8 strategy=" in out
 

@@ -1,8 +1,8 @@
-"""The documented sbatch script under a real slurmctld (one node, 2 tasks): srun's ranks end with the weights of
-the local 2-process run (ddp, fsdp); a job requeued by `scontrol requeue`, or by its own time-limit signal
-(SIGUSR1), resumes and ends with the weights of a run that never stopped; `scancel` stops every rank with a
-checkpoint that loads. Each interruption comes at a chosen step (step_gate.PauseAt holds the ranks at step 2
-until the signal is in), never after a sleep."""
+"""The documented sbatch script under a real slurmctld (one node, 2 tasks): a job requeued by `scontrol requeue`
+(fsdp), or by its own time-limit signal (SIGUSR1; ddp), resumes, and srun's ranks end with the weights of the
+local 2-process run that never stopped (each job's ranks are srun's, as in an uninterrupted job); `scancel` stops
+every rank with a checkpoint that loads. Each interruption comes at a chosen step (step_gate.PauseAt holds the
+ranks at step 2 until the signal is in), never after a sleep."""
 
 from __future__ import annotations
 
@@ -52,17 +52,10 @@ def run_dir(tmp, job_id: str):
     return tmp / "logs" / "train" / "slurm" / job_id
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_srun_ranks_end_with_the_local_runs_weights(slurm, local, tmp_path, data_cache, strategy):
-    job_id = submit(slurm, tmp_path, data_cache, strategy)
-    state = wait_done(slurm, job_id)
-    out = output(tmp_path, job_id)
-    assert state["JobState"] == "COMPLETED", out[-4000:]
-    assert "SLURM auto-requeueing enabled" in out and "GLOBAL_RANK: 1, MEMBER: 2/2" in out  # ranks from SLURM
-    assert not list(
-        run_dir(tmp_path, job_id).glob("train_ddp_process_*.log")
-    )  # parallama started none itself
-    assert_same_weights(exported(run_dir(tmp_path, job_id)), local[strategy])
+def assert_ranks_from_slurm(out: str, tmp, job_id: str) -> None:
+    """srun started both ranks (Lightning read them from SLURM's variables); parallama started none itself."""
+    assert "SLURM auto-requeueing enabled" in out and "GLOBAL_RANK: 1, MEMBER: 2/2" in out, out[-4000:]
+    assert not list(run_dir(tmp, job_id).glob("train_ddp_process_*.log"))
 
 
 def test_scontrol_requeue_resumes_to_the_weights_of_an_uninterrupted_run(slurm, local, tmp_path, data_cache):
@@ -75,6 +68,7 @@ def test_scontrol_requeue_resumes_to_the_weights_of_an_uninterrupted_run(slurm, 
     out = output(tmp_path, job_id)
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", out[-4000:]
     assert "stopped by SIGTERM at step 3" in out and "Traceback" not in out, out[-4000:]
+    assert_ranks_from_slurm(out, tmp_path, job_id)
     assert_same_weights(exported(run_dir(tmp_path, job_id)), local["fsdp"])
 
 
@@ -98,6 +92,7 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm, l
     assert not list(
         run_dir(tmp_path, job_id).glob("hpc_ckpt_*")
     )  # Lightning's own in-handler save is not used
+    assert_ranks_from_slurm(out, tmp_path, job_id)
     assert_same_weights(exported(run_dir(tmp_path, job_id)), local["ddp"])
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -45,6 +46,13 @@ def auto_precision() -> str:
 OmegaConf.register_new_resolver("auto_precision", auto_precision, replace=True)
 
 
+@dataclass(frozen=True)
+class ConfiguredMode:
+    """A config's `hydra.mode`: RUN, MULTIRUN (a preset's sweep), or None (unset: Hydra runs as the flags say)."""
+
+    value: RunMode | None
+
+
 # The jobs (their override lists) that `preflight` checked in this process: a tool need not check them again.
 _CHECKED: set[tuple[str, ...]] = set()
 
@@ -66,16 +74,21 @@ def preflight(
     argv: list[str],
     check: Callable[[DictConfig, bool], None] = lambda cfg, hardware: check_config(cfg, hardware=hardware),
     list_keys: bool = False,
-) -> None:
+) -> ConfiguredMode | None:
     """Compose the config as Hydra will and check it, so a typo costs one line and starts no process.
 
     A sweep (`-m a=1,2`) is checked job by job: each value of each swept key once, with the other keys at
     their first value. `--cfg` only prints: the config may still lack required values or name GPUs that this
     machine does not have (`check(cfg, hardware=False)`). `--config-dir DIR` searches DIR too, as Hydra does.
     The ranks a run starts itself are not checked again (`CHECKED_ENV`).
+
+    Returns the `hydra.mode` the composed config has, as Hydra's main would compose it to read it (`get_mode`),
+    where that is known: not under `-m` (composed here with hydra.mode=MULTIRUN) nor where nothing was composed
+    (`--help`, `--cfg`, ...).
     """
-    if os.environ.get(CHECKED_ENV):
-        return
+    if os.environ.get(CHECKED_ENV):  # a rank's command (launch.job_command) sets hydra.mode=RUN last
+        modes = [arg for arg in argv if arg.startswith("hydra.mode=")]
+        return ConfiguredMode(RunMode.RUN) if modes[-1:] == ["hydra.mode=RUN"] else None
     # Hydra's own flags, by the parser @hydra.main runs (in hydra._internal only; `--version` answers and exits in
     # it, as in Hydra). Where Hydra answers by itself (help, completion, info, a flag's bad value) or reads another
     # config tree (--config-path, --experimental-rerun), nothing is checked; -m and --cfg are set aside.
@@ -84,11 +97,11 @@ def preflight(
     try:
         flags, rest = parser.parse_known_args(argv)
     except argparse.ArgumentError:
-        return
+        return None
     if flags.help or flags.hydra_help or flags.shell_completion or flags.info:
-        return
+        return None
     if flags.config_path is not None or flags.experimental_rerun is not None:
-        return
+        return None
     printing, config_name, extra = flags.cfg is not None, flags.config_name or config_name, []
     if flags.config_dir is not None:
         if not flags.config_dir:
@@ -106,6 +119,7 @@ def preflight(
             overrides.append(arg)
     extra += [*run, "hydra.mode=MULTIRUN"] if flags.multirun else run
 
+    mode = None
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for number, (job, label) in enumerate(_sweep_jobs(overrides)):
             where = f" (in the sweep job with {label})" if label else ""
@@ -113,8 +127,11 @@ def preflight(
                 cfg = compose_job(config_name, [*job, *extra], list_keys)
             except ConfigError as err:
                 raise ConfigError(f"{err}{where}") from None
-            if number == 0 and not flags.multirun:  # before a job's values: -m may be all that is wrong
-                _check_sweep_allowed(overrides, printing)
+            if number == 0:
+                if not (printing or flags.multirun):
+                    mode = ConfiguredMode(HydraConfig.get().mode)
+                if not flags.multirun:  # before a job's values: -m may be all that is wrong
+                    _check_sweep_allowed(overrides, printing)
             try:
                 missing = sorted(OmegaConf.missing_keys(cfg))
                 if missing and not printing:
@@ -125,6 +142,7 @@ def preflight(
                         _CHECKED.add(tuple(job))
             except ConfigError as err:
                 raise ConfigError(f"{err}{where}") from None
+    return mode
 
 
 def _check_creatable(key: str, path: str) -> None:

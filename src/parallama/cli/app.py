@@ -11,18 +11,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import hydra
+from hydra._internal.hydra import Hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from parallama import CONF_DIR
-from parallama.app.compose import compose_tool, preflight
+from parallama.app.compose import ConfiguredMode, compose_tool, preflight
 from parallama.errors import exit_status
 from parallama.runtime.launch import SweepJobEnded, hand_to_sweep
 from parallama.runtime.quiet import quiet_known_warnings
@@ -56,7 +58,7 @@ def run(
         args = args[1:]
     try:
         args = rewrite(args) if rewrite is not None else args
-        preflight(CONF_DIR, config_name, args, check or (lambda cfg, hardware: None), list_keys)
+        mode = preflight(CONF_DIR, config_name, args, check or (lambda cfg, hardware: None), list_keys)
     except Exception as err:  # a file a check reads, a part it builds: what the user can act on is one line
         status, line = exit_status(err)
         if status is None:
@@ -72,10 +74,27 @@ def run(
     )
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
     try:
-        app()
+        with _mode_known(mode):
+            app()
     finally:
         sys.argv = saved
         GlobalHydra.instance().clear()
+
+
+@contextlib.contextmanager
+def _mode_known(mode: ConfiguredMode | None) -> Iterator[None]:
+    """Hydra's main composes the whole config once more only to read `hydra.mode` (`Hydra.get_mode`), a tenth of
+    a tiny run's CPU time and of every rank's start (tests/unit/test_cli_app.py counts the compositions); the
+    preflight has just composed it and found the mode."""
+    if mode is None:
+        yield
+        return
+    get_mode = Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: mode.value
+    try:
+        yield
+    finally:
+        Hydra.get_mode = get_mode
 
 
 def compose(

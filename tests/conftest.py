@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forkserver import ForkServer
+from forkserver import ForkedRun, ForkServer
 
 from parallama.runtime.launch import use_private_torch_extensions
 
@@ -73,14 +73,9 @@ def run_cli(
     """`python -m <module> <args>` in its own process, forked from a server that has imported torch and
     Lightning already (tests/forkserver.py); `fresh` (or PARALLAMA_TEST_FORK=0): a fresh interpreter, whose
     ranks are fresh interpreters too."""
-    global _fork_server
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}, **(env or {})}
-    env.update(
-        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
-    )
-    if not fresh and os.environ.get("PARALLAMA_TEST_FORK", "1") != "0":
-        _fork_server = _fork_server or ForkServer(_SERVER_ENV)
-        proc = _fork_server.run(module, list(args), cwd=cwd, env=env, timeout=timeout)
+    env = _run_env(cwd, env)
+    if not fresh and forking():
+        proc = fork_server().run(module, list(args), cwd=cwd, env=env, timeout=timeout)
     else:
         proc = subprocess.run(
             [sys.executable, "-m", module, *args],
@@ -100,6 +95,46 @@ def run_cli(
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def start_cli(module: str, *args: str, cwd: Path, env: dict | None = None) -> ForkedRun | subprocess.Popen:
+    """`python -m <module> <args>` started as `run_cli` runs it, without waiting: the leader of its own process
+    group, its stderr into its stdout. Read its output with `output_of`."""
+    env = _run_env(cwd, env)
+    if forking():
+        return fork_server().start(module, list(args), cwd=cwd, env=env, merge_stderr=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+
+
+def output_of(proc: ForkedRun | subprocess.Popen) -> str:
+    """What a `start_cli` run wrote (all of it once it has ended; a Popen's pipe is read to its end)."""
+    return proc.outputs()[0] if isinstance(proc, ForkedRun) else proc.stdout.read()
+
+
+def forking() -> bool:
+    return os.environ.get("PARALLAMA_TEST_FORK", "1") != "0"
+
+
+def fork_server() -> ForkServer:
+    global _fork_server
+    _fork_server = _fork_server or ForkServer(_SERVER_ENV)
+    return _fork_server
+
+
+def _run_env(cwd: Path, env: dict | None) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}, **(env or {})}
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(cwd), WANDB_CONFIG_DIR=str(cwd / ".wandb")
+    )
+    return env
 
 
 def train(

@@ -11,7 +11,8 @@ interpreter doing them again.
 The processes such a run starts are forked too, and stay its children: tests/zygote.py.
 
 The server takes one request per line on stdin (JSON: module, args, cwd, env, out, err), forks the run, answers
-`{"pid": ...}` and, once the run has ended, `{"status": ...}`. `PARALLAMA_TEST_FORK=0` runs plain subprocesses.
+`{"pid": ...}` and, once the run has ended, `{"status": ...}`; the client waits for the status (`run`) or goes on
+while the run does (`start`: the tests that signal a run). `PARALLAMA_TEST_FORK=0` runs plain subprocesses.
 """
 
 from __future__ import annotations
@@ -60,11 +61,10 @@ def run(request: dict) -> None:
     try:
         os.setpgrp()  # a timeout kills the run with the ranks it started
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        fds = {
-            0: os.open(os.devnull, os.O_RDONLY),
-            1: os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-            2: os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-        }
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        out = os.open(request["out"], flags, 0o644)
+        err = out if request["err"] == request["out"] else os.open(request["err"], flags, 0o644)
+        fds = {0: os.open(os.devnull, os.O_RDONLY), 1: out, 2: err}
     except BaseException:
         traceback.print_exc()
         os._exit(1)
@@ -85,11 +85,31 @@ class ForkServer:
         self.outputs = Path(
             tempfile.mkdtemp(prefix="forkserver-")
         )  # a run's stdout and stderr, read after it
+        self.running: ForkedRun | None = None
+        self.started = 0
 
     def run(
         self, module: str, args: list[str], cwd: Path, env: dict, timeout: float
     ) -> subprocess.CompletedProcess:
-        out, err = self.outputs / "stdout", self.outputs / "stderr"
+        run = self.start(module, args, cwd, env, merge_stderr=False)
+        status = run.wait(timeout)
+        if status is None:
+            run.kill()
+        stdout, stderr = run.outputs()
+        run.out.unlink()
+        run.err.unlink()
+        if status is None:
+            raise subprocess.TimeoutExpired([module, *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([module, *args], status, stdout, stderr)
+
+    def start(self, module: str, args: list[str], cwd: Path, env: dict, merge_stderr: bool) -> ForkedRun:
+        """Fork the run and return at once; the server takes no other request until it has ended (`wait`)."""
+        assert self.running is None or self.running.returncode is not None, (
+            "the server runs one run at a time"
+        )
+        self.started += 1
+        out = self.outputs / f"{self.started}.stdout"
+        err = out if merge_stderr else self.outputs / f"{self.started}.stderr"
         request = {
             "module": module,
             "args": args,
@@ -100,32 +120,58 @@ class ForkServer:
         }
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         pid = json.loads(self.proc.stdout.readline())["pid"]
-        status = self._status(pid, timeout)
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        out.unlink()
-        err.unlink()
-        if status is None:
-            raise subprocess.TimeoutExpired([module, *args], timeout, stdout, stderr)
-        return subprocess.CompletedProcess([module, *args], status, stdout, stderr)
-
-    def _status(self, pid: int, timeout: float) -> int | None:
-        import selectors
-
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            timed_out = not selector.select(timeout)
-        if timed_out:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        status = json.loads(self.proc.stdout.readline())["status"]
-        return None if timed_out else status
+        self.running = ForkedRun(self.proc.stdout, pid, out, err)
+        return self.running
 
     def close(self) -> None:
+        if self.running is not None and self.running.returncode is None:
+            self.running.kill()
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
         shutil.rmtree(self.outputs, ignore_errors=True)
+
+
+class ForkedRun:
+    """A run the server forked, as much of a `subprocess.Popen` as a test that signals it needs: `pid` (the leader
+    of its own process group), `poll`, `wait`, `send_signal`, `kill`, and its output so far (`outputs`)."""
+
+    def __init__(self, replies, pid: int, out: Path, err: Path) -> None:
+        self.replies, self.pid, self.out, self.err = replies, pid, out, err
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None if the run is still going after `timeout` seconds."""
+        import selectors
+
+        if self.returncode is None:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.replies, selectors.EVENT_READ)
+                if selector.select(timeout):
+                    self.returncode = json.loads(self.replies.readline())["status"]
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """The run and every process of its group (its ranks), then its status (the server takes requests again)."""
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait(60)
+
+    def outputs(self) -> tuple[str, str]:
+        """(stdout, stderr) so far (the same text twice where stderr goes to stdout)."""
+        out = self.out.read_text(errors="replace") if self.out.exists() else ""
+        if self.err == self.out:
+            return out, out
+        return out, self.err.read_text(errors="replace") if self.err.exists() else ""
 
 
 if __name__ == "__main__":

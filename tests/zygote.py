@@ -21,6 +21,7 @@ import json
 import multiprocessing.util
 import os
 import runpy
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,6 +30,10 @@ import threading
 import traceback
 import types
 import warnings
+
+import setproctitle
+
+setproctitle.getproctitle()  # set up now, while the environment is the one exec gave (become() replaces it)
 
 # The server's sys.path after its own script's directory and PYTHONPATH (forkserver.serve sets it).
 SITE_PATH: list[str] = []
@@ -49,6 +54,8 @@ def become(argv: list[str], env: dict, cwd: str, fds: dict[int, int]) -> None:
         # as python builds it: the working directory first ('' under -c), then PYTHONPATH, the installation's
         sys.path[:] = [cwd if argv[0] == "-m" else "", *python_path, *SITE_PATH]
         _fork_children_from_a_zygote()
+        # what `ps` and psutil show: the command this process is, not the server's (tests look for a run's ranks)
+        setproctitle.setproctitle(shlex.join([sys.executable, *argv]))
         try:
             if argv[0] == "-m":
                 sys.argv = argv[1:]

@@ -1,8 +1,9 @@
 """Signals and failures of multi-rank runs: every rank stops cleanly, or the survivors say which rank died.
 
-Each case runs the CLI as subprocesses in its own session (so a signal to the process group reaches only its
-ranks). Under Lightning's launcher rank 0 is the parent of rank 1. The default suite runs a covering subset;
-the full strategy x signal matrix is marked `slow` (`pytest -m slow tests/distributed/test_faults.py`).
+Each case runs the CLI in its own process group (so a signal to the group reaches only its ranks), forked as
+`run_cli`'s runs are (tests/forkserver.py; `PARALLAMA_TEST_FORK=0`: fresh interpreters). Under Lightning's
+launcher rank 0 is the parent of rank 1. The default suite runs a covering subset; the full strategy x signal
+matrix is marked `slow` (`pytest -m slow tests/distributed/test_faults.py`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
-from conftest import LONG, TINY, train, tree_digest, weights
+from conftest import LONG, TINY, output_of, start_cli, train, tree_digest, weights
+from forkserver import ForkedRun
 
 from parallama.checkpoint.integrity import has_checksums
 from parallama.checkpoint.read import load_checkpoint
@@ -32,24 +33,26 @@ PR_SET_CHILD_SUBREAPER = 36
 LONG_RUN = "trainer.max_steps=100000"
 
 
-def start(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("WANDB_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "parallama.cli.train", *TINY, *LONG, f"paths.cache_dir={cache}"]
-    cmd += [f"hydra.run.dir={run_dir}", *args]
-    return subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def start(tmp_path, cache, run_dir, *args) -> ForkedRun | subprocess.Popen:
+    args = [*TINY, *LONG, f"paths.cache_dir={cache}", f"hydra.run.dir={run_dir}", *args]
+    proc = start_cli("parallama.cli.train", *args, cwd=tmp_path)
+    _started.append(proc)
+    return proc
+
+
+_started: list[ForkedRun | subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def stop_leftover_runs():
+    """A case that failed midway leaves no run behind (they train for 100000 steps)."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(60)
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +65,7 @@ def adopt_orphans():
     libc.prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
-def rank1(proc: subprocess.Popen, timeout: float = 120) -> int:
+def rank1(proc: ForkedRun | subprocess.Popen, timeout: float = 120) -> int:
     """The pid of the rank Lightning started: rank 0's child running parallama.cli.train."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -72,22 +75,22 @@ def rank1(proc: subprocess.Popen, timeout: float = 120) -> int:
                     return child.pid
             except psutil.NoSuchProcess:
                 pass
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, output_of(proc)[-3000:]
         time.sleep(0.2)
     raise AssertionError("rank 1 did not start")
 
 
-def wait_for_last(proc: subprocess.Popen, run_dir, timeout: float = 240) -> None:
+def wait_for_last(proc: ForkedRun | subprocess.Popen, run_dir, timeout: float = 240) -> None:
     """Until last.ckpt exists (a file, or a folder swapped in whole): training is under way."""
     last = run_dir / "checkpoints" / "last.ckpt"
     deadline = time.time() + timeout
     while not last.exists():
-        assert proc.poll() is None, f"training ended early:\n{proc.stdout.read()[-3000:]}"
+        assert proc.poll() is None, f"training ended early:\n{output_of(proc)[-3000:]}"
         assert time.time() < deadline, "no last.ckpt in time"
         time.sleep(0.2)
 
 
-def wait_all(rank0: subprocess.Popen | None, rank1_pid: int | None, timeout: float = STOP_WITHIN):
+def wait_all(rank0: ForkedRun | subprocess.Popen | None, rank1_pid: int | None, timeout: float = STOP_WITHIN):
     """(rank 0's exit code, rank 1's exit code, seconds until both ended); kills both past `timeout`."""
     t0, codes = time.time(), [None, None]
     while codes[0] is None and rank0 is not None or codes[1] is None and rank1_pid is not None:
@@ -136,7 +139,7 @@ def stop_run(tmp_path, cache, strategy: str, target: str, signum: int, *args):
     else:
         os.kill(proc.pid if target == "rank0" else child, signum)
     code, child_code, seconds = wait_all(proc, child)
-    return code, child_code, seconds, proc.stdout.read(), run
+    return code, child_code, seconds, output_of(proc), run
 
 
 def assert_stopped_cleanly(code, out, run, name: str) -> int:
@@ -204,7 +207,7 @@ def test_ctrl_c_saves_and_exits_0(tmp_path, data_cache):
     wait_for_last(proc, run)
     proc.send_signal(signal.SIGINT)
     code, _, _ = wait_all(proc, None)
-    stopped_at = assert_stopped_cleanly(code, proc.stdout.read(), run, "SIGINT")
+    stopped_at = assert_stopped_cleanly(code, output_of(proc), run, "SIGINT")
     assert train_loss_steps(run) == list(range(1, stopped_at + 1))  # the stop step's row too
 
 

@@ -67,3 +67,19 @@ def test_the_wheel_ships_the_configs_and_the_installed_package_finds_them(tmp_pa
             [sys.executable, "-m", module, "--help"], env=env, cwd=tmp_path, capture_output=True, text=True
         )
         assert proc.returncode == 0 and needle in proc.stdout, proc.stderr[-2000:]
+
+
+def test_every_console_script_is_installed_and_names_a_main_that_exists():
+    """Each `[project.scripts]` entry is in this environment's bin (the editable install's) and calls a function
+    its module has, read from pyproject.toml itself (parallama-train and parallama-export run as installed in
+    test_export.py; the others' commands are run by their modules)."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert len(scripts) == 7, scripts
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+        installed = (Path(sys.executable).parent / name).read_text()
+        assert f"from {module} import {function}" in installed, (name, installed)

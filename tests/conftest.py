@@ -68,17 +68,23 @@ def run_cli(
     timeout: int = 300,
     check: bool = True,
     env: dict | None = None,
-    fresh: bool = False,
+    fresh: bool | str = False,
 ) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` in its own process, forked from a server that has imported torch and
     Lightning already (tests/forkserver.py); `fresh` (or PARALLAMA_TEST_FORK=0): a fresh interpreter, whose
-    ranks are fresh interpreters too."""
+    ranks are fresh interpreters too; `fresh="parallama-train"`: that installed console script, as a user's
+    shell runs it (its ranks then start the script again: launch.job_command)."""
     env = _run_env(cwd, env)
     if not fresh and forking():
         proc = fork_server().run(module, list(args), cwd=cwd, env=env, timeout=timeout)
     else:
+        command = (
+            [str(Path(sys.executable).parent / fresh)]
+            if isinstance(fresh, str)
+            else [sys.executable, "-m", module]
+        )
         proc = subprocess.run(
-            [sys.executable, "-m", module, *args],
+            [*command, *args],
             cwd=cwd,
             env=env,
             capture_output=True,

@@ -79,13 +79,21 @@ VARIANTS = {  # id: overrides
 def test_two_ranks_match_one_process_then_resume(strategy, reference, tmp_path, data_cache):
     run = tmp_path / "run"
     args = [*PARITY, *COMBINATIONS[strategy], f"strategy={strategy}", "trainer.devices=2"]
-    # ddp as a user's shell starts it: rank 0 and the rank it starts are fresh interpreters (not forked, see
-    # tests/forkserver.py), so nothing the test's preloaded server imported can hide a missing import.
+    # ddp as a user's shell starts it: the installed parallama-train, rank 0 and the rank it starts fresh
+    # interpreters (not forked, see tests/forkserver.py), so nothing the test's preloaded server imported can
+    # hide a missing import, and rank 1 starts from the console script (launch.job_command), not `-m`.
     # DeepSpeed, in an empty extensions folder: its ZeRO training on CPU builds no C++ op (the shared-memory
     # all-reduce it would build, a minute of g++ per environment, serves only its inference: compat.py).
     extensions = tmp_path / "torch_extensions"
     env = {"TORCH_EXTENSIONS_DIR": str(extensions)} if strategy == "deepspeed" else None
-    proc = train(*args, cwd=tmp_path, cache=data_cache, run_dir=run, fresh=strategy == "ddp", env=env)
+    proc = train(
+        *args,
+        cwd=tmp_path,
+        cache=data_cache,
+        run_dir=run,
+        fresh="parallama-train" if strategy == "ddp" else False,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert "rank 0/2" in out and "\nsample:\n" in out and "Traceback" not in out
     # every rank, a spawned one too, filters what asks nothing of the user (runtime/quiet.py)

@@ -103,26 +103,35 @@ def run_cli(
     return proc
 
 
-def start_cli(module: str, *args: str, cwd: Path, env: dict | None = None) -> ForkedRun | subprocess.Popen:
-    """`python -m <module> <args>` started as `run_cli` runs it, without waiting: the leader of its own process
-    group, its stderr into its stdout. Read its output with `output_of`."""
+def start_cli(
+    module: str, *args: str, cwd: Path, env: dict | None = None, fresh: bool = False
+) -> ForkedRun | subprocess.Popen:
+    """`python -m <module> <args>` started as `run_cli` runs it, without waiting for it (`poll`, `wait(timeout)`,
+    `send_signal` as a Popen's): the leader of its own process group, its stderr into its stdout, which
+    `output_of` reads (a file, so a chatty run never blocks on a full pipe). The fork server runs one run at a
+    time: a test that runs others while this one lives starts it `fresh`."""
     env = _run_env(cwd, env)
-    if forking():
+    if not fresh and forking():
         return fork_server().start(module, list(args), cwd=cwd, env=env, merge_stderr=True)
-    return subprocess.Popen(
+    fd, path = tempfile.mkstemp(prefix="parallama-run-", suffix=".out")
+    proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=fd,
         stderr=subprocess.STDOUT,
-        text=True,
         process_group=0,
     )
+    os.close(fd)
+    proc.output_file = Path(path)
+    return proc
 
 
 def output_of(proc: ForkedRun | subprocess.Popen) -> str:
-    """What a `start_cli` run wrote (all of it once it has ended; a Popen's pipe is read to its end)."""
-    return proc.outputs()[0] if isinstance(proc, ForkedRun) else proc.stdout.read()
+    """What a `start_cli` run has written so far (all of it once it has ended)."""
+    if isinstance(proc, ForkedRun):
+        return proc.outputs()[0]
+    return proc.output_file.read_text(errors="replace")
 
 
 def forking() -> bool:

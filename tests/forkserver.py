@@ -92,9 +92,11 @@ class ForkServer:
         self, module: str, args: list[str], cwd: Path, env: dict, timeout: float
     ) -> subprocess.CompletedProcess:
         run = self.start(module, args, cwd, env, merge_stderr=False)
-        status = run.wait(timeout)
-        if status is None:
+        try:
+            status = run.wait(timeout)
+        except subprocess.TimeoutExpired:
             run.kill()
+            status = None
         stdout, stderr = run.outputs()
         run.out.unlink()
         run.err.unlink()
@@ -140,10 +142,17 @@ class ForkedRun:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        return self.wait(0) if self.returncode is None else self.returncode
+        self._status(0)
+        return self.returncode
 
-    def wait(self, timeout: float) -> int | None:
-        """The exit status, or None if the run is still going after `timeout` seconds."""
+    def wait(self, timeout: float) -> int:
+        """The exit status; `subprocess.TimeoutExpired` if the run is still going after `timeout` seconds."""
+        if not self._status(timeout):
+            raise subprocess.TimeoutExpired(f"forked run {self.pid}", timeout)
+        return self.returncode
+
+    def _status(self, timeout: float) -> bool:
+        """Whether the run has ended, reading the server's report of it within `timeout` seconds."""
         import selectors
 
         if self.returncode is None:
@@ -151,7 +160,7 @@ class ForkedRun:
                 selector.register(self.replies, selectors.EVENT_READ)
                 if selector.select(timeout):
                     self.returncode = json.loads(self.replies.readline())["status"]
-        return self.returncode
+        return self.returncode is not None
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
@@ -164,7 +173,7 @@ class ForkedRun:
                 os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.wait(60)
+            self._status(60)
 
     def outputs(self) -> tuple[str, str]:
         """(stdout, stderr) so far (the same text twice where stderr goes to stdout)."""

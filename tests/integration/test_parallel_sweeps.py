@@ -8,8 +8,6 @@ import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import LAUNCH_ENV, TINY, run_cli, train
+from conftest import TINY, output_of, run_cli, start_cli, train
 from step_gate import gate
 from wandb_files import wandb_run
 
@@ -207,17 +205,15 @@ def test_an_interrupted_study_continues_from_its_database(tmp_path, data_cache):
     held at step 2 until the signal is in (step_gate), so it stops at step 3 however slow the machine."""
     args = [*TINY, f"paths.cache_dir={data_cache}", "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2"]
     args += ["hydra.launcher.n_jobs=1", gate(2, tmp_path / "gate")]  # later runs pass the gate
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_DIR=str(tmp_path), PYTHONPATH=str(TESTS))
-    command = [sys.executable, "-m", "parallama.cli.train", *args]
-    sweep = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    sweep = start_cli("parallama.cli.train", *args, cwd=tmp_path, env={"PYTHONPATH": str(TESTS)})
     log = tmp_path / "logs" / "train" / "multiruns"
     deadline = time.time() + 240
     while not (tmp_path / "gate" / "rank0").exists():
-        assert sweep.poll() is None and time.time() < deadline, sweep.stdout.read()[-3000:]
+        assert sweep.poll() is None and time.time() < deadline, output_of(sweep)[-3000:]
         time.sleep(0.5)
     sweep.send_signal(signal.SIGTERM)
-    output = sweep.communicate(timeout=120)[0].decode()
+    sweep.wait(120)
+    output = output_of(sweep)
     assert sweep.returncode == 2, output[-3000:]
     (line,) = [line for line in output.splitlines() if line.startswith("#0 ")]  # one line per job: one job
     assert line.startswith("#0 stopped: stopped by SIGTERM at step 3; last checkpoint: ")

@@ -9,8 +9,6 @@ import os
 import pickle
 import re
 import signal
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import LAUNCH_ENV, TINY, run_cli, train
+from conftest import TINY, run_cli, start_cli, train
 from hydra import compose, initialize_config_dir
 
 from parallama import CONF_DIR
@@ -260,15 +258,7 @@ def test_kill_9_during_prepare_then_rerun_completes_with_identical_shards(tmp_pa
     does only the rest and writes what an uninterrupted build writes."""
     args = ["data.source.corpus=code", "data.source.max_documents=60", "prepare.num_proc=2"]
     args += ["prepare.part_chars=20000", "prepare.shard_tokens=300000", f"paths.cache_dir={tmp_path / 'c'}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_ENV)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "parallama.cli.prepare", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: the workers die with it
-    )
+    proc = start_cli("parallama.cli.prepare", *args, cwd=tmp_path)  # its own process group, workers too
     try:
         deadline = time.monotonic() + 120
         while len(done := list((tmp_path / "c").glob("*/parts-*/*.docs.npy"))) < 3:
@@ -276,7 +266,7 @@ def test_kill_9_during_prepare_then_rerun_completes_with_identical_shards(tmp_pa
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(60)
     assert not list((tmp_path / "c").glob("*/index.json"))  # killed mid-way
     rerun = run_cli("parallama.cli.prepare", *args, cwd=tmp_path)
     n_parts, reused = parts_line(rerun.stdout + rerun.stderr)

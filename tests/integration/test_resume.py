@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import csv
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import LONG, TINY, one_cycle_rates, run_cli, train, tree_digest, weights
+from conftest import LONG, TINY, one_cycle_rates, output_of, run_cli, start_cli, train, tree_digest, weights
 from corruption import flip_a_tensor_byte
 
 
@@ -24,21 +21,9 @@ def checkpoint_step(ckpt) -> int:
         return -1
 
 
-def start_training(tmp_path, cache, run_dir, *args) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "parallama.cli.train",
-        *TINY,
-        *LONG,
-        f"paths.cache_dir={cache}",
-        f"hydra.run.dir={run_dir}",
-        *args,
-    ]
-    return subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+def start_training(tmp_path, cache, run_dir, *args, fresh: bool = False):
+    args = [*TINY, *LONG, f"paths.cache_dir={cache}", f"hydra.run.dir={run_dir}", *args]
+    return start_cli("parallama.cli.train", *args, cwd=tmp_path, fresh=fresh)
 
 
 def wait_for_checkpoint(proc, ckpt, min_step: int, timeout: float = 240) -> int:
@@ -47,7 +32,7 @@ def wait_for_checkpoint(proc, ckpt, min_step: int, timeout: float = 240) -> int:
         step = checkpoint_step(ckpt) if ckpt.exists() else -1
         if step >= min_step:
             return step
-        assert proc.poll() is None, f"training ended before step {min_step}:\n{proc.stdout.read()[-3000:]}"
+        assert proc.poll() is None, f"training ended before step {min_step}:\n{output_of(proc)[-3000:]}"
         time.sleep(0.2)
     raise AssertionError(f"no checkpoint at step >= {min_step} within {timeout}s")
 
@@ -62,7 +47,7 @@ def test_kill_9_then_resume_equals_uninterrupted_bitwise(tmp_path, data_cache):
     proc.send_signal(signal.SIGSTOP)  # frozen: the step read below is the one the kill leaves behind
     killed_at = checkpoint_step(run / "checkpoints" / "last.ckpt")
     proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    proc.wait(60)
     assert 6 <= killed_at < 40, f"killed at step {killed_at}: the poll fell behind the run"
 
     train(*LONG, "ckpt_path=last", cwd=tmp_path, cache=data_cache, run_dir=run)  # finds this run's last.ckpt
@@ -202,7 +187,7 @@ def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
     interleaved), and `ckpt_path=last` resumed a run that was still writing. While the first run lives, both are
     one line; once it has stopped, `ckpt_path=<its run dir>` resumes it."""
     run = tmp_path / "logs" / "train" / "runs" / "alive"
-    proc = start_training(tmp_path, data_cache, run)
+    proc = start_training(tmp_path, data_cache, run, fresh=True)  # the others run while it lives
     try:
         wait_for_checkpoint(proc, run / "checkpoints" / "last.ckpt", min_step=3)
         proc.send_signal(signal.SIGSTOP)  # alive but paused: it cannot finish while the others start
@@ -221,7 +206,8 @@ def test_a_run_directory_belongs_to_one_live_run(tmp_path, data_cache):
     finally:
         proc.send_signal(signal.SIGTERM)  # it saves last.ckpt at its next step and exits 0
         proc.send_signal(signal.SIGCONT)
-        out = proc.communicate(timeout=120)[0]
+        proc.wait(120)
+        out = output_of(proc)
     assert proc.returncode == 0, out[-3000:]
     assert not (run / ".owner.json").exists()  # released at its end
     resumed = train(f"ckpt_path={run}", "trainer.max_steps=41", cwd=tmp_path, cache=data_cache)

@@ -4,14 +4,12 @@ Optuna search of 2 trials, each a SLURM job with its own run dir and checkpoint.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from contextlib import contextmanager
 
 import optuna
 import pytest
 import yaml
-from conftest import TINY
+from conftest import TINY, output_of, start_cli
 from slurm.jobs import gate_reached, job_env, start_requeued_now
 from step_gate import gate
 from wandb_files import wandb_records
@@ -24,30 +22,28 @@ SLURM = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpu
 SLURM += ["hydra.launcher.mem_gb=1"]
 
 
-def command(tmp, cache, *args: str) -> list[str]:
-    return [sys.executable, "-m", "parallama.cli.train", "-m", *SLURM, *TINY, f"paths.cache_dir={cache}", *args,
-            f"hydra.sweep.dir={tmp / 'sweep'}"]  # fmt: skip
-
-
-def sweep(tmp, cache, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+def arguments(tmp, cache, *args: str) -> list[str]:
+    return ["-m", *SLURM, *TINY, f"paths.cache_dir={cache}", *args, f"hydra.sweep.dir={tmp / 'sweep'}"]
 
 
 @contextmanager
 def sweep_under_way(tmp, cache, *args: str):
-    """The sweep's process (it submits the jobs and waits for them), ended at the end if it is still there."""
-    out = open(tmp / "sweep.out", "w+")
-    proc = subprocess.Popen(
-        command(tmp, cache, *args), cwd=tmp, env=job_env(), stdout=out, stderr=out, text=True
-    )
+    """The sweep's process (it submits the jobs and waits for them), forked as `run_cli`'s runs are (its jobs are
+    SLURM's processes, fresh interpreters), ended at the end if it is still there."""
+    proc = start_cli("parallama.cli.train", *arguments(tmp, cache, *args), cwd=tmp, env=job_env())
     try:
         yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.wait()
-        out.close()
+        proc.wait(60)
+
+
+def sweep(tmp, cache, *args: str) -> tuple[int, str]:
+    """The whole sweep: its exit status and output."""
+    with sweep_under_way(tmp, cache, *args) as proc:
+        proc.wait(600)
+    return proc.returncode, output_of(proc)
 
 
 def submitit_jobs(sweep_dir) -> list[str]:
@@ -67,12 +63,12 @@ def grid(slurm, tmp_path_factory, data_cache):
             gate_reached(tmp / "sweep" / job / "gate", ranks=1)
         (array,) = {name.split("_")[0] for name in submitit_jobs(tmp / "sweep")}
         slurm.client("scancel", array)
-        driver.wait(timeout=300)
-    cancelled = (tmp / "sweep.out").read_text()
+        driver.wait(300)
+    cancelled = output_of(driver)
     assert driver.returncode != 0, cancelled[-3000:]
-    resumed = sweep(tmp, data_cache, *points, "ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    return tmp, cancelled, resumed.stdout
+    code, resumed = sweep(tmp, data_cache, *points, "ckpt_path=last")
+    assert code == 0, resumed[-4000:]
+    return tmp, cancelled, resumed
 
 
 def test_a_cancelled_job_says_where_it_stopped(grid):
@@ -117,8 +113,8 @@ def test_a_cancelled_job_continues_its_wandb_run(grid):
 
 
 def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm, tmp_path, data_cache):
-    proc = sweep(tmp_path, data_cache, "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2")
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    code, output = sweep(tmp_path, data_cache, "hparams_search=lr_optuna", "hydra.sweeper.n_trials=2")
+    assert code == 0, output[-4000:]
     study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path}/logs/optuna.db")
     trials = study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
@@ -139,8 +135,8 @@ def test_a_requeued_sweep_job_resumes_and_the_sweep_ends(slurm, tmp_path, data_c
         (job_id,) = submitit_jobs(tmp_path / "sweep")
         slurm.client("scontrol", "requeue", job_id)
         start_requeued_now(slurm, job_id)
-        driver.wait(timeout=600)
-    output = (tmp_path / "sweep.out").read_text()
+        driver.wait(600)
+    output = output_of(driver)
     assert driver.returncode == 0, output[-4000:]
     run = tmp_path / "sweep" / "0"
     log = (run / "train.log").read_text()
@@ -153,8 +149,8 @@ def test_a_requeued_sweep_job_resumes_and_the_sweep_ends(slurm, tmp_path, data_c
 def test_a_job_that_fails_ends_the_sweep_with_its_line(slurm, tmp_path, data_cache):
     """A job's one-line error (here ckpt_path=last in a new sweep: nothing to resume) reaches the sweep's process,
     which ends with it; an exit inside submitit's process would leave the sweep waiting for a result."""
-    proc = sweep(tmp_path, data_cache, "ckpt_path=last")
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    code, output = sweep(tmp_path, data_cache, "ckpt_path=last")
+    assert code == 2, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("#")]
     assert line.startswith("#0 failed: ckpt_path=last: this run's directory "), line
     assert " has no checkpoint (looked for " in line

@@ -120,7 +120,7 @@ def start_cli(
         env=env,
         stdout=fd,
         stderr=subprocess.STDOUT,
-        process_group=0,
+        start_new_session=True,
     )
     os.close(fd)
     proc.output_file = Path(path)

@@ -49,6 +49,12 @@ def test_a_run_composes_twice_and_runs_the_job_hydra_would(tmp_path, monkeypatch
     assert fast[1] == plain[1] and str(fast[1]["mode"]) == "RunMode.RUN"
 
 
+def test_with_one_of_hydras_own_groups_chosen_hydra_reads_the_mode_itself(tmp_path, monkeypatch):
+    """The preflight does not compose Hydra's groups (`hydra/job_logging=...`), one of which might set the mode."""
+    compositions, seen = run(tmp_path, monkeypatch, "hydra/hydra_logging=disabled")
+    assert compositions == 3 and str(seen["mode"]) == "RunMode.RUN"
+
+
 def test_a_rank_started_by_its_run_composes_once(tmp_path, monkeypatch):
     """The ranks a run starts itself are not checked again (`CHECKED_ENV`) and run with hydra.mode=RUN last."""
     monkeypatch.setenv(CHECKED_ENV, "1")

@@ -83,8 +83,8 @@ def preflight(
     The ranks a run starts itself are not checked again (`CHECKED_ENV`).
 
     Returns the `hydra.mode` the composed config has, as Hydra's main would compose it to read it (`get_mode`),
-    where that is known: not under `-m` (composed here with hydra.mode=MULTIRUN) nor where nothing was composed
-    (`--help`, `--cfg`, ...).
+    where that is known: not under `-m` (composed here with hydra.mode=MULTIRUN), not with one of Hydra's own
+    groups chosen (`hydra/launcher=...`, not composed here), nor where nothing was composed (`--help`, `--cfg`).
     """
     if os.environ.get(CHECKED_ENV):  # a rank's command (launch.job_command) sets hydra.mode=RUN last
         modes = [arg for arg in argv if arg.startswith("hydra.mode=")]
@@ -118,6 +118,9 @@ def preflight(
         elif not arg.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
             overrides.append(arg)
     extra += [*run, "hydra.mode=MULTIRUN"] if flags.multirun else run
+    # Hydra's own config groups (`hydra/launcher=...`) are not composed here: one of them might set the mode
+    hydra_groups = [a for a in [*flags.overrides, *rest] if a.startswith(("hydra/", "+hydra/", "~hydra/"))]
+    mode_known = not (flags.multirun or printing or hydra_groups)
 
     mode = None
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
@@ -128,7 +131,7 @@ def preflight(
             except ConfigError as err:
                 raise ConfigError(f"{err}{where}") from None
             if number == 0:
-                if not (printing or flags.multirun):
+                if mode_known:
                     mode = ConfiguredMode(HydraConfig.get().mode)
                 if not flags.multirun:  # before a job's values: -m may be all that is wrong
                     _check_sweep_allowed(overrides, printing)

@@ -44,7 +44,7 @@ slurm:
 	  echo "slurm: apt-get install slurm-wlm munge failed: tests/slurm will skip"; \
 	fi
 
-test-fast: $(STAMP)  ## unit tests only (no training run; about 2 minutes)
+test-fast: $(STAMP)  ## unit tests only (no training run; about 3 minutes)
 	$(BIN)/python -m pytest tests/unit --durations=10 $(ARGS)
 
 lint: $(STAMP)  ## ruff, and the packages' layering (pyproject.toml's import-linter contract; docs/architecture.md)

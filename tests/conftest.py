@@ -134,6 +134,16 @@ def output_of(proc: ForkedRun | subprocess.Popen) -> str:
     return proc.output_file.read_text(errors="replace")
 
 
+@pytest.fixture(autouse=True)
+def no_forked_run_left_behind():
+    """A test that ended (failed, say) while a `start_cli` run still works ends that run: the fork server runs one
+    run at a time, and the next test's run would wait for it."""
+    yield
+    run = _fork_server.running if _fork_server is not None else None
+    if run is not None and run.poll() is None:
+        run.kill()
+
+
 def forking() -> bool:
     return os.environ.get("PARALLAMA_TEST_FORK", "1") != "0"
 
